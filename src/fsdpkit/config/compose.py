@@ -1,0 +1,165 @@
+"""Compose a run's configuration: YAML layers from `conf/`, Hydra overrides on top, then
+validation against the typed schema, all before any process group exists.
+
+Layers, later wins: schema defaults → conf/config.yaml → its groups (strategy, model, data) →
+experiment files (`experiment=[a,b]`, applied in order) → command-line overrides. Hydra's
+override grammar applies: `key=value`, `+key=value` (add), `++key=value` (add or override),
+`~key` (delete: the schema default applies again).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from fsdpkit.config.schema import (
+    MIXED_PRECISION_PRESETS,
+    SHARDING_STRATEGIES,
+    STATE_DICT_TYPES,
+    Config,
+)
+
+CONF_DIR = Path(__file__).parent / "conf"
+PRIMARY = "config"
+
+
+def compose_config(overrides: Sequence[str] = (), *, config_dirs: Sequence[str] = ()) -> Config:
+    """Compose, validate and return the typed config.
+
+    Args:
+        overrides: Hydra override strings, e.g. ``["experiment=[bf16,ac]", "train.max_steps=5"]``.
+        config_dirs: extra directories searched for config groups (users' own experiment files).
+
+    Raises:
+        ValueError: an unknown key, a wrong type or an invalid value, naming the key.
+    """
+    return to_typed(compose_raw(overrides, config_dirs=config_dirs))
+
+
+def compose_raw(overrides: Sequence[str] = (), *, config_dirs: Sequence[str] = ()) -> DictConfig:
+    """The composed YAML layers before schema validation."""
+    hydra_overrides = list(overrides)
+    if config_dirs:
+        paths = ",".join(f"file://{Path(d).resolve()}" for d in config_dirs)
+        hydra_overrides.append(f"hydra.searchpath=[{paths}]")
+    try:
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+            return compose(config_name=PRIMARY, overrides=hydra_overrides)
+    except (HydraException, OmegaConfBaseException) as e:
+        raise ValueError(f"invalid configuration override: {e}") from None
+
+
+def to_typed(raw: DictConfig) -> Config:
+    """Merge composed values onto the schema; reject unknown keys and wrong types."""
+    schema = OmegaConf.structured(Config)
+    try:
+        merged = OmegaConf.merge(schema, raw)
+        OmegaConf.resolve(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = getattr(e, "msg", None) or str(e)
+        raise ValueError(
+            f"config key '{key}': {msg.splitlines()[0]}; see `fsdpkit config docs` for every key and its type"
+        ) from None
+    cfg: Config = OmegaConf.to_object(merged)
+    validate(cfg)
+    return cfg
+
+
+def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
+    if value not in allowed:
+        raise ValueError(f"config key '{key}' is {value!r}; expected one of {', '.join(map(str, allowed))}")
+
+
+def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"config key '{key}' is {value}; it must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def validate(cfg: Config) -> None:
+    """Value checks the type system cannot express. World-size-dependent checks (batch
+    divisibility, HSDP groups) run in `check_world_size` as soon as the world size is known."""
+    s, p, m, d, o, t = cfg.strategy, cfg.policy, cfg.model, cfg.data, cfg.optim, cfg.train
+    _one_of("strategy.sharding_strategy", s.sharding_strategy, SHARDING_STRATEGIES)
+    _one_of("strategy.state_dict_type", s.state_dict_type, STATE_DICT_TYPES)
+    _positive("strategy.hsdp_shard_size", s.hsdp_shard_size, allow_zero=True)
+    if isinstance(p.mixed_precision, str):
+        _one_of("policy.mixed_precision", p.mixed_precision, MIXED_PRECISION_PRESETS)
+    elif not (isinstance(p.mixed_precision, dict) and "_target_" in p.mixed_precision):
+        raise ValueError(
+            "config key 'policy.mixed_precision' must be a preset name "
+            f"({', '.join(MIXED_PRECISION_PRESETS)}) or a mapping with a `_target_` factory"
+        )
+    for key in ("auto_wrap_policy", "activation_checkpointing_policy"):
+        for path in getattr(p, key):
+            if "." not in path:
+                raise ValueError(f"config key 'policy.{key}' entry {path!r} is not a dotted class path (module.Class)")
+    _one_of("model.kind", m.kind, ("llama", "hf"))
+    if m.kind == "llama":
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads"):
+            _positive(f"model.{key}", getattr(m, key))
+        if m.hidden_size % m.num_attention_heads:
+            raise ValueError("config key 'model.hidden_size' must be divisible by model.num_attention_heads")
+        if m.num_attention_heads % m.num_key_value_heads:
+            raise ValueError("config key 'model.num_attention_heads' must be divisible by model.num_key_value_heads")
+    elif "model_type" not in m.hf_config:
+        raise ValueError("config key 'model.hf_config' needs a `model_type` (e.g. llama) when model.kind=hf")
+    _one_of("data.kind", d.kind, ("synthetic", "tokens", "text"))
+    _one_of("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
+    if d.kind in ("tokens", "text") and not d.path:
+        raise ValueError(f"config key 'data.path' must name a file when data.kind={d.kind}")
+    _positive("data.seq_len", d.seq_len)
+    _positive("data.num_samples", d.num_samples)
+    if not 0 < d.val_fraction < 1:
+        raise ValueError(f"config key 'data.val_fraction' is {d.val_fraction}; it must lie strictly between 0 and 1")
+    _one_of("optim.schedule", o.schedule, ("cosine", "constant"))
+    _one_of("optim.impl", o.impl, ("auto", "fused", "foreach", "for_loop"))
+    if len(o.betas) != 2:
+        raise ValueError(f"config key 'optim.betas' needs two values, got {o.betas}")
+    _positive("optim.lr", o.lr)
+    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_every"):
+        _positive(f"train.{key}", getattr(t, key))
+    _positive("train.eval_every", t.eval_every, allow_zero=True)
+    _positive("train.eval_samples", t.eval_samples, allow_zero=True)
+    _positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    _one_of("device", cfg.device, ("auto", "cpu", "cuda"))
+    _one_of("backend", cfg.backend, ("auto", "gloo", "nccl"))
+
+
+def accumulation_steps(cfg: Config, world_size: int) -> int:
+    """Micro-batches per rank per optimizer step, derived from the global batch.
+
+    Raises:
+        ValueError: the global batch is not a whole multiple of world_size * micro_batch_size.
+    """
+    per_pass = world_size * cfg.train.micro_batch_size
+    if cfg.train.global_batch_size % per_pass:
+        raise ValueError(
+            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by world_size "
+            f"({world_size}) x train.micro_batch_size ({cfg.train.micro_batch_size}) = {per_pass}; "
+            "change train.global_batch_size or train.micro_batch_size"
+        )
+    return cfg.train.global_batch_size // per_pass
+
+
+def check_world_size(cfg: Config, world_size: int, *, local_world_size: int | None = None) -> None:
+    """World-size-dependent checks, run before launching ranks and again in each rank."""
+    accumulation_steps(cfg, world_size)
+    if cfg.strategy.sharding_strategy == "HYBRID_SHARD":
+        shard = cfg.strategy.hsdp_shard_size or (local_world_size or world_size)
+        if world_size % shard:
+            raise ValueError(
+                f"strategy.hsdp_shard_size={shard} does not divide the world size {world_size}; "
+                "set strategy.hsdp_shard_size to the ranks per node"
+            )
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

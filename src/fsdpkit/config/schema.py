@@ -1,0 +1,194 @@
+"""The typed configuration schema. Every field carries a docstring right under it; `fsdpkit
+config docs` prints them and the README's option tables are generated from them.
+
+YAML files under `conf/` layer values on top of these defaults (see compose.py); anything a
+YAML file or an override sets that is not declared here is rejected when the config is
+composed, before any process starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+STATE_DICT_TYPES = ("sharded", "full")
+MIXED_PRECISION_PRESETS = ("fp32", "bf16-mixed", "bf16-true")
+
+
+@dataclass
+class StrategyConfig:
+    """How FSDP2 shards (model-agnostic; `conf/strategy/*.yaml`)."""
+
+    sharding_strategy: str = "FULL_SHARD"
+    """FULL_SHARD: shard params, grads, optimizer state, reshard after forward. SHARD_GRAD_OP: keep
+    params unsharded between forward and backward (reshard_after_forward=False). NO_SHARD: replicate
+    everything, all-reduce grads (a (world, 1) mesh). HYBRID_SHARD: shard within groups of
+    `hsdp_shard_size` ranks, replicate across groups (2-D mesh)."""
+    reshard_after_forward: bool | None = None
+    """Override the strategy's reshard-after-forward choice for every wrapped unit; null derives it
+    from `sharding_strategy` (true for FULL_SHARD/HYBRID_SHARD, false otherwise). The root is never
+    resharded after forward (its params are needed first in backward)."""
+    hsdp_shard_size: int = 0
+    """HYBRID_SHARD only: ranks per shard group, usually the GPUs of one node. 0 means
+    LOCAL_WORLD_SIZE. Must divide the world size."""
+    cpu_offload: bool = False
+    """Keep sharded params, grads and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy; the
+    optimizer step runs on CPU). Pinned memory is used only when CUDA is available."""
+    state_dict_type: str = "sharded"
+    """How checkpoints store the model: `sharded` (each rank writes its own shard, default) or
+    `full` (gathered to rank 0 in CPU memory)."""
+
+
+@dataclass
+class PolicyConfig:
+    """Model-specific FSDP knobs, usually set by an experiment file."""
+
+    auto_wrap_policy: list[str] = field(default_factory=lambda: ["fsdpkit.model.llama.LlamaDecoderLayer"])
+    """Dotted class paths; every module that is an instance of one becomes its own FSDP unit
+    (`fully_shard`, bottom-up), then the root is sharded. A list that matches no module is an error."""
+    activation_checkpointing_policy: list[str] = field(default_factory=list)
+    """Dotted class paths whose modules recompute activations in backward (composable
+    `checkpoint`, so parameter names stay unchanged). Empty: no activation checkpointing."""
+    mixed_precision: Any = "fp32"
+    """The one source of truth for dtypes: a preset name (`fp32`; `bf16-mixed`: bf16 params in
+    forward/backward, fp32 gradient reduction, fp32 outputs and buffers, fp32 master weights;
+    `bf16-true`: bf16 params and reduction) or a mapping with `_target_` naming a factory that
+    returns a torch MixedPrecisionPolicy. There is no separate autocast option."""
+
+
+@dataclass
+class ModelConfig:
+    """The model to train (`conf/model/*.yaml`)."""
+
+    kind: str = "llama"
+    """`llama`: fsdpkit's reference Llama (Hugging Face LlamaForCausalLM parameter names).
+    `hf`: any transformers causal LM built from `hf_config` (needs the `hf` extra)."""
+    vocab_size: int = 512
+    """Vocabulary size (rows of the embedding and of lm_head)."""
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 344
+    """Width of the SwiGLU MLP."""
+    num_hidden_layers: int = 2
+    """Number of decoder layers."""
+    num_attention_heads: int = 4
+    """Query heads; must divide hidden_size."""
+    num_key_value_heads: int = 2
+    """Key/value heads (GQA); must divide num_attention_heads."""
+    max_position_embeddings: int = 2048
+    """Longest sequence the RoPE tables are built for."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rms_norm_eps: float = 1e-5
+    """Epsilon of every RMSNorm."""
+    tie_word_embeddings: bool = False
+    """Share one matrix between model.embed_tokens and lm_head."""
+    initializer_range: float = 0.02
+    """Standard deviation of the normal init of linear and embedding weights."""
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    """kind=hf only: keyword arguments of `transformers.AutoConfig.for_model` (must include
+    `model_type`, e.g. `llama`)."""
+
+
+@dataclass
+class DataConfig:
+    """Training data (`conf/data/*.yaml`)."""
+
+    kind: str = "synthetic"
+    """`synthetic`: a built-in deterministic corpus with learnable structure (no download).
+    `tokens`: a flat binary file of token ids (nanoGPT-style, read by numpy memmap).
+    `text`: a UTF-8 text file, tokenized to bytes (vocabulary 256)."""
+    path: str = ""
+    """File to read for kind=tokens or kind=text."""
+    token_dtype: str = "uint16"
+    """kind=tokens: `uint16` or `uint32`, the dtype the file was written with."""
+    seq_len: int = 64
+    """Tokens per training sample (each sample reads seq_len + 1 tokens: inputs and shifted targets)."""
+    num_samples: int = 4096
+    """kind=synthetic: training samples per epoch."""
+    val_fraction: float = 0.05
+    """Share of samples held out for validation; never overlaps training data (for synthetic data,
+    the held-out samples come from a separate stream of the same process)."""
+    shuffle: bool = True
+    """Shuffle the global sample order each epoch (from the seed and the epoch alone)."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay, applied to matrices and embeddings only (not norms or biases)."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to `lr` over this many steps."""
+    schedule: str = "cosine"
+    """After warmup: `cosine` decay to lr * min_lr_ratio at train.max_steps, or `constant`."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of `lr` for the cosine schedule."""
+    impl: str = "auto"
+    """AdamW implementation: `auto` (fused on CUDA, foreach on CPU), `fused`, `foreach`, `for_loop`."""
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    max_steps: int = 100
+    """Optimizer steps to run."""
+    global_batch_size: int = 16
+    """Samples per optimizer step, summed over all ranks and accumulation steps. Accumulation steps
+    are derived: global_batch_size / (world_size * micro_batch_size), which must be a whole number."""
+    micro_batch_size: int = 4
+    """Samples per forward/backward on one rank."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all shards) to this value; 0 disables clipping (the
+    norm is still computed and logged)."""
+    log_every: int = 1
+    """Log a metrics line every this many steps (metrics.jsonl gets every step)."""
+    eval_every: int = 0
+    """Compute val_loss every this many steps (0: only at the end)."""
+    eval_samples: int = 64
+    """Held-out samples per evaluation (the same samples at any world size)."""
+    compile: bool = False
+    """torch.compile each decoder block (after activation checkpointing, before fully_shard)."""
+    progress: bool = True
+    """Show a live progress bar on rank 0 when stderr is a terminal."""
+
+
+@dataclass
+class Config:
+    """Everything one run needs; composed from conf/config.yaml, its groups and overrides."""
+
+    name: str = "default"
+    """Run name; the default run directory is runs/<name>."""
+    run_dir: str = "runs/${name}"
+    """Where config.yaml, metrics.jsonl and (later) checkpoints are written."""
+    seed: int = 1234
+    """Seeds weight init, data order and every RNG; identical at any world size."""
+    deterministic: bool = False
+    """Deterministic algorithms and fixed seeds: two runs of one config give bit-identical losses."""
+    device: str = "auto"
+    """`auto` (CUDA if available), `cpu` or `cuda`."""
+    backend: str = "auto"
+    """Process-group backend: `auto` (NCCL on CUDA, gloo on CPU), `gloo` or `nccl`."""
+    log_level: str = "INFO"
+    """Log level of rank 0 (other ranks log warnings only)."""
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    """FSDP sharding strategy (model-agnostic)."""
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    """Model-specific FSDP knobs: wrap policy, activation checkpointing, mixed precision."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The data."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The loop."""

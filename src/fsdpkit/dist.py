@@ -1,0 +1,100 @@
+"""Every piece of rank logic goes through here.
+
+The process group is created from the environment torchrun (or `fsdpkit train --nproc`)
+sets. Without that environment the process is a world of one: a single-rank gloo group is
+still created so that the same FSDP2 code path runs everywhere.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import socket
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("FSDPKIT_PG_TIMEOUT_S", "600"))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def pick_backend(requested: str, device_type: str) -> str:
+    """`auto` means NCCL on CUDA and gloo on CPU."""
+    if requested != "auto":
+        return requested
+    return "nccl" if device_type == "cuda" else "gloo"
+
+
+def pick_device(requested: str) -> torch.device:
+    """`auto` means this rank's CUDA device when CUDA is available, else the CPU."""
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device=cuda was requested but CUDA is not available; set device=cpu or device=auto")
+        torch.cuda.set_device(local_rank())
+        return torch.device("cuda", local_rank())
+    return torch.device(requested)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(*, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Create the default process group from torchrun's environment, or a world of one."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def shutdown(*objects_to_drop: object) -> None:
+    """Tear the process group down in the order that avoids gloo's abort at exit.
+
+    Dropping references and collecting first, then barrier → destroy removed the
+    `terminate called without an active exception` abort seen at teardown.
+    """
+    del objects_to_drop
+    gc.collect()
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_reduce_sum(values: Sequence[float], *, device: torch.device) -> list[float]:
+    """Sum a few float64 scalars over all ranks in one collective; no-op in a world of one."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def broadcast_object(obj: object, *, src: int = 0) -> object:
+    """Rank `src`'s object on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]

@@ -1,0 +1,62 @@
+"""Plain single-device models. Nothing here knows about distribution or checkpoints."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fsdpkit.config.schema import ModelConfig
+from fsdpkit.model.llama import LlamaArgs, LlamaForCausalLM
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """Construct the model on the current default device (callers use the meta device)."""
+    if cfg.kind == "llama":
+        return LlamaForCausalLM(
+            LlamaArgs(
+                vocab_size=cfg.vocab_size,
+                hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_hidden_layers,
+                num_attention_heads=cfg.num_attention_heads,
+                num_key_value_heads=cfg.num_key_value_heads,
+                max_position_embeddings=cfg.max_position_embeddings,
+                rope_theta=cfg.rope_theta,
+                rms_norm_eps=cfg.rms_norm_eps,
+                tie_word_embeddings=cfg.tie_word_embeddings,
+                initializer_range=cfg.initializer_range,
+            )
+        )
+    from fsdpkit.model.hf import build_hf_model
+
+    return build_hf_model(cfg.hf_config)
+
+
+def init_std(model: nn.Module) -> float:
+    """Standard deviation of the normal init of linear/embedding weights for this model."""
+    if isinstance(model, LlamaForCausalLM):
+        return model.args.initializer_range
+    return float(getattr(getattr(model, "config", None), "initializer_range", 0.02))
+
+
+def vocab_size(model: nn.Module) -> int:
+    if isinstance(model, LlamaForCausalLM):
+        return model.args.vocab_size
+    return int(model.config.vocab_size)
+
+
+@torch.no_grad()
+def reset_nonpersistent_buffers(model: nn.Module) -> None:
+    """Recompute buffers that are not in the state dict (RoPE tables) after to_empty()."""
+    if isinstance(model, LlamaForCausalLM):
+        model.reset_nonpersistent_buffers()
+    else:
+        from fsdpkit.model.hf import reset_hf_nonpersistent_buffers
+
+        reset_hf_nonpersistent_buffers(model)
+
+
+def logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """input_ids [B, T] -> logits [B, T, vocab] for our models and transformers models alike."""
+    out = model(input_ids)
+    return out if isinstance(out, torch.Tensor) else out.logits

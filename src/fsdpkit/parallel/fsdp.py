@@ -1,0 +1,107 @@
+"""Shard a model with FSDP2: build on meta, wrap bottom-up, materialise, initialise.
+
+The order is fixed and matters (as in torchtitan):
+  1. activation checkpointing on the modules the AC policy names (composable `checkpoint`, so
+     parameter names are unchanged);
+  2. `torch.compile` of each wrapped block's forward (in place: no `_orig_mod.` in names; FSDP's
+     and AC's hooks stay outside the compiled region);
+  3. `fully_shard` on every wrap-policy module, bottom-up, then on the root;
+  4. `to_empty` on the target device, deterministic init, then recompute non-persistent buffers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from fsdpkit import dist
+from fsdpkit.config.schema import Config
+from fsdpkit.model import build_model, init_std, reset_nonpersistent_buffers
+from fsdpkit.parallel.init import init_weights
+from fsdpkit.parallel.policies import (
+    matching_modules,
+    mesh_shape,
+    mixed_precision_policy,
+    offload_policy,
+    reshard_after_forward,
+)
+
+
+@dataclass
+class ShardingPlan:
+    """What apply_fsdp did, for logs and diagnostics."""
+
+    mesh: DeviceMesh
+    units: list[str]
+    checkpointed: list[str]
+    compiled: list[str]
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool
+
+
+def build_mesh(cfg: Config, device: torch.device) -> DeviceMesh:
+    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))
+    shape, names = mesh_shape(cfg.strategy, dist.world_size(), local_ws)
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def build_sharded_model(cfg: Config, device: torch.device) -> tuple[nn.Module, ShardingPlan]:
+    """The configured model, sharded with FSDP2 on `device` and initialised from cfg.seed."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    plan = apply_fsdp(model, cfg, mesh=build_mesh(cfg, device))
+    materialize(model, device=device, seed=cfg.seed, cpu_offload=cfg.strategy.cpu_offload)
+    return model, plan
+
+
+def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPlan:
+    """Apply AC, compile and fully_shard in place (see the module docstring for the order)."""
+    pol = cfg.policy
+    units = matching_modules(model, pol.auto_wrap_policy, setting="policy.auto_wrap_policy")
+    if not units:
+        raise ValueError("policy.auto_wrap_policy is empty; name the decoder-layer class, e.g. "
+                         "fsdpkit.model.llama.LlamaDecoderLayer")
+    ac = matching_modules(model, pol.activation_checkpointing_policy, setting="policy.activation_checkpointing_policy")
+    for _, module in ac:
+        checkpoint(module)
+    compiled = []
+    if cfg.train.compile:
+        for name, module in units:
+            module.forward = torch.compile(module.forward)
+            compiled.append(name)
+    mp = mixed_precision_policy(pol.mixed_precision)
+    reshard = reshard_after_forward(cfg.strategy)
+    kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload_policy(cfg.strategy))
+    # Bottom-up: named_modules() lists parents before children, so wrap in reverse.
+    for _, module in reversed(units):
+        fully_shard(module, reshard_after_forward=reshard, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return ShardingPlan(
+        mesh=mesh,
+        units=[name for name, _ in units],
+        checkpointed=[name for name, _ in ac],
+        compiled=compiled,
+        mp_policy=mp,
+        reshard_after_forward=reshard,
+    )
+
+
+def materialize(model: nn.Module, *, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
+    """Allocate the sharded model and initialise it, identically at any world size.
+
+    With CPU offload the sharded parameters live in CPU memory; buffers (not managed by FSDP2)
+    still belong on the compute device.
+    """
+    model.to_empty(device="cpu" if cpu_offload else device)
+    init_weights(model, seed=seed, std=init_std(model))
+    reset_nonpersistent_buffers(model)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = buf.to(device)
