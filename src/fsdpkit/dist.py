@@ -70,13 +70,12 @@ def init_process_group(*, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def shutdown(*objects_to_drop: object) -> None:
+def shutdown() -> None:
     """Tear the process group down in the order that avoids gloo's abort at exit.
 
-    Dropping references and collecting first, then barrier → destroy removed the
-    `terminate called without an active exception` abort seen at teardown.
+    Callers drop their model/optimizer references first; collecting, then barrier → destroy
+    removed the `terminate called without an active exception` abort seen at teardown.
     """
-    del objects_to_drop
     gc.collect()
     if dist.is_initialized():
         dist.barrier()

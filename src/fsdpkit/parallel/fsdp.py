@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdpkit import dist
 from fsdpkit.config.schema import Config
@@ -82,6 +82,12 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
     for _, module in reversed(units):
         fully_shard(module, reshard_after_forward=reshard, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
+    # The trainer divides each rank's loss by the *global* token count, so the true gradient is
+    # the plain sum over ranks: no averaging. Force-sum keeps this a SUM collective on gloo too.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
     return ShardingPlan(
         mesh=mesh,
         units=[name for name, _ in units],

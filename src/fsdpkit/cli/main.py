@@ -1,0 +1,95 @@
+"""The `fsdpkit` command."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+TRAIN_HELP = """\
+Train with FSDP2. Overrides use Hydra syntax: key=value, +key=value (add), ++key=value (add or
+override), ~key (delete: the schema default applies), experiment=[a,b] (compose experiment files
+in order). The config is validated before any process starts.
+
+examples:
+  fsdpkit train experiment=demo
+  fsdpkit train --nproc 4 experiment=[demo,bf16] train.max_steps=20
+  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+      -m fsdpkit train model=llama_1b experiment=bf16
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fsdpkit", description="Train large models with FSDP2; trust every checkpoint.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="train a model", description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="launch N local ranks through torch's elastic launcher (torchrun --standalone)")
+    t.add_argument("--config-dir", action="append", default=[], metavar="DIR",
+                   help="extra directory searched for config groups (your own experiment/*.yaml); repeatable")
+    t.add_argument("overrides", nargs="*", help="Hydra overrides")
+    c = sub.add_parser("config", help="show the resolved config or document every option")
+    c.add_argument("action", choices=["show", "docs"], help="show: print the resolved config; docs: every key, type, default and meaning")
+    c.add_argument("--config-dir", action="append", default=[], metavar="DIR")
+    c.add_argument("overrides", nargs="*", help="Hydra overrides (for show)")
+    return p
+
+
+def _train(args: argparse.Namespace) -> int:
+    from fsdpkit.config import check_world_size, compose_config
+
+    cfg = compose_config(args.overrides, config_dirs=args.config_dir)
+    if args.nproc is not None:
+        if args.nproc < 1:
+            raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+        check_world_size(cfg, args.nproc, local_world_size=args.nproc)
+        return _launch_local(args)
+    from fsdpkit.train.run import run
+
+    run(cfg)
+    return 0
+
+
+def _launch_local(args: argparse.Namespace) -> int:
+    """Re-run this command as N local ranks under torch.distributed.run (elastic)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    child = ["-m", "fsdpkit", "train"] + [f"--config-dir={d}" for d in args.config_dir] + list(args.overrides)
+    launcher_args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={args.nproc}", *child])
+    try:
+        run(launcher_args)
+    except ChildFailedError as e:
+        print(f"fsdpkit train: {len(e.failures)} rank(s) failed; their tracebacks are above", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.action == "docs":
+        from fsdpkit.config.docs import iter_options
+
+        for key, typ, default, doc in iter_options():
+            print(f"{key}  ({typ}, default {default!r})\n    {doc}\n")
+        return 0
+    from fsdpkit.config import compose_config, to_yaml
+
+    print(to_yaml(compose_config(args.overrides, config_dirs=args.config_dir)), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
+    try:
+        code = {"train": _train, "config": _config}[args.command](args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"fsdpkit {args.command}: error: {e}", file=sys.stderr)
+        code = 2
+    if under_launcher:
+        # A launched rank exits hard once its process group is torn down: gloo can abort in
+        # static destructors at interpreter exit otherwise.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code

@@ -1,0 +1,149 @@
+"""The training loop: one optimizer step over the global batch, evaluation, and `fit`."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fsdpkit import dist
+from fsdpkit.data import GlobalSampler, eval_micro_batches, rank_micro_batches
+from fsdpkit.data.datasets import Dataset
+from fsdpkit.model import logits as model_logits
+from fsdpkit.train.metrics import MetricsLog, Progress, peak_memory_mib
+from fsdpkit.train.optim import clip_grad_norm
+from fsdpkit.train.state import TrainState
+
+
+def token_loss_sum(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of batch [B, L+1] (inputs batch[:, :-1], targets batch[:, 1:])."""
+    logits = model_logits(model, batch[:, :-1])  # [B, L, V]
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+
+
+@dataclass
+class Trainer:
+    """Wires the pieces; `fit` runs the loop. Built by fsdpkit.train.run.build_trainer."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: GlobalSampler
+    train_data: Dataset
+    val_data: Dataset
+    state: TrainState
+    metrics: MetricsLog
+    device: torch.device
+    max_steps: int
+    micro_batch_size: int
+    grad_clip: float
+    eval_every: int
+    eval_samples: int
+    progress: bool
+    logger: logging.Logger
+
+    def stateful(self) -> dict[str, Any]:
+        """Everything that must survive a restart, by name."""
+        return {"train": self.state, "data": self.sampler, "scheduler": self.scheduler}
+
+    def train_step(self) -> dict[str, float]:
+        """One optimizer step over the next global batch; returns this step's metrics."""
+        t0 = time.perf_counter()
+        rank, ws = dist.rank(), dist.world_size()
+        global_batch = self.sampler.next_global_batch()
+        micro = rank_micro_batches(global_batch, rank=rank, world_size=ws, micro_batch_size=self.micro_batch_size)
+        global_tokens = len(global_batch) * self.train_data.seq_len  # every sample has seq_len targets
+        lr = self.scheduler.get_last_lr()[0]
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, indices in enumerate(micro):
+            # Only the last micro-batch reduce-scatters; earlier ones accumulate locally.
+            self.model.set_requires_gradient_sync(i == len(micro) - 1)
+            loss = token_loss_sum(self.model, self.train_data.batch(indices).to(self.device))
+            (loss / global_tokens).backward()
+            loss_sum += loss.detach()
+        grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], self.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        (total,) = dist.all_reduce_sum([float(loss_sum)], device=self.device)
+        self.state.step += 1
+        self.state.tokens_seen += global_tokens
+        dt = time.perf_counter() - t0
+        return {
+            "step": self.state.step,
+            "loss": total / global_tokens,
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "tokens_per_s": global_tokens / dt,
+            "step_time_s": dt,
+            "tokens_seen": self.state.tokens_seen,
+            "peak_mem_mib": peak_memory_mib(self.device),
+        }
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Token-weighted loss over the first `eval_samples` held-out samples, the same samples at
+        any world size. Every rank runs the same number of forwards (FSDP needs all ranks)."""
+        n = min(self.eval_samples, len(self.val_data))
+        chunks = eval_micro_batches(n, rank=dist.rank(), world_size=dist.world_size(), micro_batch_size=self.micro_batch_size)
+        loss_sum, tokens = 0.0, 0
+        for indices in chunks:
+            batch = self.val_data.batch(indices or [0]).to(self.device)
+            loss = token_loss_sum(self.model, batch)
+            if indices:  # an empty slot only keeps this rank in step with the others
+                loss_sum += float(loss)
+                tokens += len(indices) * self.val_data.seq_len
+        # The root keeps its params unsharded after a forward with no backward: reshard so the
+        # next step all-gathers the freshly updated shards.
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        total, count = dist.all_reduce_sum([loss_sum, tokens], device=self.device)
+        return total / count
+
+    def fit(self) -> dict[str, Any]:
+        """Train until max_steps, evaluating every eval_every steps and at the end."""
+        start, wall0 = self.state.step, time.perf_counter()
+        progress = Progress(total=self.max_steps, start=start, enabled=self.progress)
+        records: list[dict[str, float]] = []
+        val_loss = None
+        try:
+            while self.state.step < self.max_steps:
+                record = self.train_step()
+                last = self.state.step == self.max_steps
+                if last or (self.eval_every and self.state.step % self.eval_every == 0):
+                    val_loss = record["val_loss"] = self.evaluate()
+                    self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)
+                self.metrics.step(record, quiet=progress.active)
+                progress.update(self.state.step, f"loss {record['loss']:.4f}")
+                records.append(record)
+        finally:
+            progress.close()
+        return summarize(records, val_loss=val_loss, wall_s=time.perf_counter() - wall0)
+
+
+def summarize(records: list[dict[str, float]], *, val_loss: float | None, wall_s: float) -> dict[str, Any]:
+    if not records:
+        return {"steps": 0, "wall_s": wall_s}
+    steady = [r["tokens_per_s"] for r in records[1:]] or [records[0]["tokens_per_s"]]
+    return {
+        "steps": len(records),
+        "first_step": records[0]["step"],
+        "last_step": records[-1]["step"],
+        "first_loss": records[0]["loss"],
+        "last_loss": records[-1]["loss"],
+        "val_loss": val_loss,
+        "median_tokens_per_s": statistics.median(steady),
+        "peak_mem_mib": max(r["peak_mem_mib"] for r in records),
+        "wall_s": wall_s,
+    }
+
+

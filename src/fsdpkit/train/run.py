@@ -1,0 +1,114 @@
+"""Build everything a run needs from the config and run it, on this rank."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdpkit import __version__, dist
+from fsdpkit.config import Config, check_world_size, to_yaml
+from fsdpkit.data import GlobalSampler, build_datasets
+from fsdpkit.log import get_logger, setup_logging
+from fsdpkit.model import vocab_size
+from fsdpkit.parallel import ShardingPlan, build_sharded_model
+from fsdpkit.train.determinism import enable_determinism, seed_everything
+from fsdpkit.train.loop import Trainer
+from fsdpkit.train.metrics import METRICS_FILE, MetricsLog
+from fsdpkit.train.optim import build_optimizer, build_scheduler
+from fsdpkit.train.state import TrainState
+
+CONFIG_FILE = "config.yaml"
+SUMMARY_FILE = "summary.json"
+
+log = get_logger("train")
+
+
+def precision_note(cfg: Config, plan: ShardingPlan) -> str:
+    mp = plan.mp_policy
+
+    def name(dtype: torch.dtype | None) -> str:
+        return "param dtype (fp32)" if dtype is None else str(dtype).removeprefix("torch.")
+
+    return (
+        f"precision: policy.mixed_precision={cfg.policy.mixed_precision!r} (FSDP2 MixedPrecisionPolicy) governs "
+        f"params in forward/backward ({name(mp.param_dtype)}), gradient reduction ({name(mp.reduce_dtype)}) and "
+        f"outputs ({name(mp.output_dtype)}); master weights and optimizer state stay fp32; no autocast is applied"
+    )
+
+
+def local_param_mib(model: nn.Module) -> float:
+    total = 0
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        total += local.numel() * local.element_size()
+    return total / 2**20
+
+
+def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path) -> Trainer:
+    """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
+    model, plan = build_sharded_model(cfg, device)
+    log.info("FSDP2: mesh %s, %d units (%s ...), reshard_after_forward=%s, activation checkpointing on %d, compiled %d",
+             tuple(plan.mesh.shape), len(plan.units), ", ".join(plan.units[:3]), plan.reshard_after_forward,
+             len(plan.checkpointed), len(plan.compiled))
+    log.info(precision_note(cfg, plan))
+    log.info("rank 0 holds %.2f MiB of parameters locally", local_param_mib(model))
+    optimizer = build_optimizer(model, cfg.optim, device=device)
+    train_data, val_data = build_datasets(cfg.data, vocab_size=vocab_size(model), seed=cfg.seed)
+    sampler = GlobalSampler(num_samples=len(train_data), global_batch_size=cfg.train.global_batch_size,
+                            seed=cfg.seed, shuffle=cfg.data.shuffle)
+    t = cfg.train
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        scheduler=build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps),
+        sampler=sampler,
+        train_data=train_data,
+        val_data=val_data,
+        state=TrainState(),
+        metrics=MetricsLog(run_dir, logger=log, log_every=t.log_every),
+        device=device,
+        max_steps=t.max_steps,
+        micro_batch_size=t.micro_batch_size,
+        grad_clip=t.grad_clip,
+        eval_every=t.eval_every,
+        eval_samples=t.eval_samples,
+        progress=t.progress,
+        logger=log,
+    )
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Train on this rank (one of torchrun's, or a world of one). Returns the summary."""
+    device = dist.pick_device(cfg.device)
+    if cfg.deterministic:
+        enable_determinism()
+    dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type))
+    setup_logging(cfg.log_level)
+    trainer = None
+    try:
+        check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+        seed_everything(cfg.seed, rank=dist.rank())
+        run_dir = Path(cfg.run_dir)
+        if dist.is_main():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
+            log.info("resolved config (also in %s):\n%s", run_dir / CONFIG_FILE, to_yaml(cfg))
+        dist.broadcast_object(None)  # everyone waits until the run directory exists
+        log.info("fsdpkit %s, torch %s, world size %d, device %s", __version__, torch.__version__, dist.world_size(), device)
+        trainer = build_trainer(cfg, device=device, run_dir=run_dir)
+        summary = trainer.fit()
+        trainer.metrics.close()
+        trainer = None  # drop model and optimizer before teardown (see dist.shutdown)
+        if dist.is_main():
+            (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            log.info("done: %s", json.dumps(summary))
+            log.info("run directory: %s (metrics: %s)", run_dir.resolve(), (run_dir / METRICS_FILE).resolve())
+        return summary
+    finally:
+        trainer = None
+        dist.shutdown()
