@@ -1,7 +1,8 @@
 """Compose a run's configuration: YAML layers from `conf/`, Hydra overrides on top, then
 validation against the typed schema, all before any process group exists.
 
-Layers, later wins: schema defaults → conf/config.yaml → its groups (strategy, model, data) →
+Layers, later wins: schema defaults (a Hydra node, so every key can be overridden) →
+conf/config.yaml → its groups (strategy, model, data) →
 experiment files (`experiment=[a,b]`, applied in order) → command-line overrides. Hydra's
 override grammar applies: `key=value`, `+key=value` (add), `++key=value` (add or override),
 `~key` (delete: the schema default applies again).
@@ -9,10 +10,12 @@ override grammar applies: `key=value`, `+key=value` (add), `++key=value` (add or
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -26,6 +29,14 @@ from fsdpkit.config.schema import (
 
 CONF_DIR = Path(__file__).parent / "conf"
 PRIMARY = "config"
+SCHEMA_NODE = "fsdpkit_schema"  # conf/config.yaml's first default: every key exists, typed
+
+
+def _register_schema() -> None:
+    # A plain (untyped) dict of the defaults: Hydra can then delete keys (`~key`), which it
+    # refuses on typed nodes; types are enforced right after composing, by to_typed().
+    defaults = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+    ConfigStore.instance().store(name=SCHEMA_NODE, node=defaults)
 
 
 def compose_config(overrides: Sequence[str] = (), *, config_dirs: Sequence[str] = ()) -> Config:
@@ -47,10 +58,14 @@ def compose_raw(overrides: Sequence[str] = (), *, config_dirs: Sequence[str] = (
     if config_dirs:
         paths = ",".join(f"file://{Path(d).resolve()}" for d in config_dirs)
         hydra_overrides.append(f"hydra.searchpath=[{paths}]")
+    _register_schema()
     try:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
             return compose(config_name=PRIMARY, overrides=hydra_overrides)
     except (HydraException, OmegaConfBaseException) as e:
+        unknown = re.match(r"Could not override '([^']+)'", str(e))
+        if unknown:
+            raise ValueError(f"unknown config key '{unknown.group(1)}'; see `fsdpkit config docs` for every key") from None
         raise ValueError(f"invalid configuration override: {e}") from None
 
 

@@ -11,6 +11,7 @@ The order is fixed and matters (as in torchtitan):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -77,11 +78,13 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
             compiled.append(name)
     mp = mixed_precision_policy(pol.mixed_precision)
     reshard = reshard_after_forward(cfg.strategy)
-    kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload_policy(cfg.strategy))
+    kwargs = dict(mesh=mesh, offload_policy=offload_policy(cfg.strategy))
+    # output_dtype is about the model's output: blocks hand activations on in param dtype.
+    block_mp = dataclasses.replace(mp, output_dtype=None)
     # Bottom-up: named_modules() lists parents before children, so wrap in reverse.
     for _, module in reversed(units):
-        fully_shard(module, reshard_after_forward=reshard, **kwargs)
-    fully_shard(model, reshard_after_forward=False, **kwargs)
+        fully_shard(module, reshard_after_forward=reshard, mp_policy=block_mp, **kwargs)
+    fully_shard(model, reshard_after_forward=False, mp_policy=mp, **kwargs)
     # The trainer divides each rank's loss by the *global* token count, so the true gradient is
     # the plain sum over ranks: no averaging. Force-sum keeps this a SUM collective on gloo too.
     for module in model.modules():

@@ -1,0 +1,42 @@
+"""Shared test helpers: launching real gloo ranks through torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run `script` on `nproc` local gloo ranks; fail the test with the ranks' output on error."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def fsdpkit(*args: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run the fsdpkit CLI as a user would; returns the completed process (no check)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "fsdpkit", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd or ROOT)
+
+
+@pytest.fixture(scope="session")
+def training_results(tmp_path_factory) -> dict[int, dict]:
+    """The scenarios of tests/dist/train_worker.py at world sizes 1, 2 and 4, run once per session."""
+    out = tmp_path_factory.mktemp("training")
+    results = {}
+    for ws in (1, 2, 4):
+        path = out / f"ws{ws}.json"
+        torchrun(ws, ROOT / "tests" / "dist" / "train_worker.py", str(path), str(out / f"runs{ws}"))
+        results[ws] = json.loads(path.read_text())
+    return results

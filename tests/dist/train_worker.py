@@ -1,0 +1,75 @@
+"""Runs on N gloo ranks under torchrun; trains several configs in one process group and writes
+what the tests assert on to a JSON file (rank 0). Usage: train_worker.py OUT.json RUNS_DIR."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fsdpkit import dist  # noqa: E402
+from fsdpkit.config import compose_config  # noqa: E402
+from fsdpkit.train.determinism import enable_determinism  # noqa: E402
+from fsdpkit.train.run import build_trainer, local_param_mib  # noqa: E402
+from reference import reference_run  # noqa: E402
+
+BASE = ["deterministic=true", "train.max_steps=10", "train.global_batch_size=16", "train.micro_batch_size=2",
+        "train.grad_clip=0.5", "train.eval_samples=20", "train.progress=false", "optim.warmup_steps=3",
+        "model.vocab_size=1001"]
+
+
+def train(name: str, overrides: list[str], runs: Path) -> dict:
+    cfg = compose_config(BASE + overrides + [f"run_dir={runs / name}"])
+    if dist.is_main():
+        (runs / name).mkdir(parents=True, exist_ok=True)
+    tdist.barrier()
+    trainer = build_trainer(cfg, device=torch.device("cpu"), run_dir=runs / name)
+    summary = trainer.fit()
+    trainer.metrics.close()
+    out = {"val_loss": summary["val_loss"], "local_mib": local_param_mib(trainer.model)}
+    out["local_shapes"] = {k: list(v.to_local().shape) for k, v in trainer.model.state_dict().items()}
+    out["full_mib"] = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 2**20
+    if dist.is_main():
+        records = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+        out["loss"] = [r["loss"] for r in records]
+        out["grad_norm"] = [r["grad_norm"] for r in records]
+    del trainer
+    return out
+
+
+def main() -> None:
+    out_path, runs = Path(sys.argv[1]), Path(sys.argv[2])
+    enable_determinism()
+    dist.init_process_group(backend="gloo")
+    ws = dist.world_size()
+    results: dict = {}
+    results["fp32"] = train("fp32", [], runs)
+    results["accum"] = train("accum", ["train.global_batch_size=8", "train.micro_batch_size=1"], runs)
+    if ws == 1:
+        results["reference"] = reference_run(compose_config(BASE))
+        results["reference_bf16_cfg"] = reference_run(compose_config(BASE + ["train.max_steps=3"]))
+    else:
+        results["bf16"] = train("bf16", ["experiment=bf16"], runs)
+    if ws == 2:
+        results["compile"] = train("compile", ["train.compile=true", "train.max_steps=5"], runs)
+        results["compile_ref"] = train("compile_ref", ["train.max_steps=5"], runs)
+        results["ac"] = train("ac", ["experiment=activation_checkpointing", "train.max_steps=5"], runs)
+        results["hf"] = train("hf", ["experiment=hf_llama", "train.max_steps=5", "model.vocab_size=512",
+                                     "++model.hf_config.vocab_size=512"], runs)
+    gathered = [None] * ws
+    tdist.all_gather_object(gathered, {k: v.get("local_mib") for k, v in results.items() if isinstance(v, dict)})
+    results["local_mib_by_rank"] = gathered
+    if dist.is_main():
+        out_path.write_text(json.dumps(results))
+    dist.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
