@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="show the resolved config or document every option")
     c.add_argument("action", choices=["show", "docs"], help="show: print the resolved config; docs: every key, type, default and meaning")
     c.add_argument("--config-dir", action="append", default=[], metavar="DIR")
+    c.add_argument("--markdown", action="store_true", help="docs: print a markdown table (what the README holds)")
     c.add_argument("overrides", nargs="*", help="Hydra overrides (for show)")
     return p
 
@@ -67,8 +68,11 @@ def _launch_local(args: argparse.Namespace) -> int:
 
 def _config(args: argparse.Namespace) -> int:
     if args.action == "docs":
-        from fsdpkit.config.docs import iter_options
+        from fsdpkit.config.docs import iter_options, markdown_table
 
+        if args.markdown:
+            print(markdown_table())
+            return 0
         for key, typ, default, doc in iter_options():
             print(f"{key}  ({typ}, default {default!r})\n    {doc}\n")
         return 0

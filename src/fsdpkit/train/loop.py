@@ -6,7 +6,6 @@ import logging
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch

@@ -60,7 +60,8 @@ class Progress:
     def __init__(self, *, total: int, start: int, enabled: bool):
         self._bar = None
         if enabled and dist.is_main() and sys.stderr.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn, TimeRemainingColumn
+            from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress as RichProgress
 
             self._bar = RichProgress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=True)

@@ -1,0 +1,100 @@
+"""Configuration: layering, Hydra override syntax, validation before anything runs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from fsdpkit.config import accumulation_steps, check_world_size, compose_config
+from fsdpkit.config.docs import field_docs, iter_options
+from fsdpkit.config.schema import Config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_compose_and_validate():
+    cfg = compose_config()
+    assert cfg.strategy.sharding_strategy == "FULL_SHARD"
+    assert cfg.policy.auto_wrap_policy == ["fsdpkit.model.llama.LlamaDecoderLayer"]
+    assert cfg.run_dir == "runs/default"  # interpolation resolved
+
+
+def test_experiment_list_composes_in_order():
+    cfg = compose_config(["experiment=[demo,bf16,activation_checkpointing]"])
+    assert cfg.name == "demo" and cfg.run_dir == "runs/demo"
+    assert cfg.policy.mixed_precision == "bf16-mixed"
+    assert cfg.policy.activation_checkpointing_policy == ["fsdpkit.model.llama.LlamaDecoderLayer"]
+    assert cfg.train.max_steps == 200
+
+
+def test_experiment_can_switch_model_group():
+    cfg = compose_config(["experiment=hf_llama"])
+    assert cfg.model.kind == "hf" and cfg.model.hf_config["model_type"] == "llama"
+
+
+def test_override_of_key_not_in_yaml_needs_no_plus():
+    assert compose_config(["train.eval_samples=7"]).train.eval_samples == 7
+
+
+def test_delete_restores_schema_default():
+    cfg = compose_config(["optim.lr=0.5", "~optim.lr"])
+    assert cfg.optim.lr == Config().optim.lr
+
+
+def test_forced_add():
+    cfg = compose_config(["++model.hf_config.rope_scaling=null", "++train.max_steps=3"])
+    assert "rope_scaling" in cfg.model.hf_config and cfg.train.max_steps == 3
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.max_stepz=3", "unknown config key 'train.max_stepz'"),
+        ("++train.bogus=1", "config key 'train.bogus'"),
+        ("train.max_steps=abc", "config key 'train.max_steps'"),
+        ("strategy.sharding_strategy=FULLSHARD", "expected one of FULL_SHARD"),
+        ("policy.mixed_precision=fp8", "policy.mixed_precision"),
+        ("data.val_fraction=1.5", "data.val_fraction"),
+        ("policy.auto_wrap_policy=[LlamaDecoderLayer]", "not a dotted class path"),
+        ("experiment=nope", "experiment/nope"),
+    ],
+)
+def test_bad_config_names_the_key(override, message):
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        compose_config([override])
+
+
+def test_batch_must_divide_world_times_micro_batch():
+    cfg = compose_config(["train.global_batch_size=16", "train.micro_batch_size=4"])
+    assert accumulation_steps(cfg, 2) == 2
+    with pytest.raises(ValueError, match=r"global_batch_size=16 is not divisible by world_size \(3\)"):
+        check_world_size(cfg, 3)
+
+
+def test_hybrid_shard_group_must_divide_world():
+    cfg = compose_config(["strategy.sharding_strategy=HYBRID_SHARD", "strategy.hsdp_shard_size=3",
+                          "train.global_batch_size=48"])
+    with pytest.raises(ValueError, match="hsdp_shard_size=3 does not divide the world size 4"):
+        check_world_size(cfg, 4)
+
+
+def _schema_classes(cls=Config):
+    yield cls
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
+            yield from _schema_classes(f.default_factory)
+
+
+def test_every_field_is_documented():
+    for cls in _schema_classes():
+        docs = field_docs(cls)
+        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+def test_readme_documents_every_option():
+    readme = (ROOT / "README.md").read_text()
+    missing = [key for key, *_ in iter_options() if f"`{key}`" not in readme]
+    assert not missing, f"README.md does not document: {missing} (regenerate with `fsdpkit config docs --markdown`)"

@@ -1,0 +1,56 @@
+"""The reference Llama: Hugging Face names, shapes and arithmetic; module layering."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from fsdpkit.config import compose_config
+from fsdpkit.model import build_model
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "fsdpkit"
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_reference_llama_equals_transformers(tied):
+    transformers = pytest.importorskip("transformers")
+    m = compose_config([f"model.tie_word_embeddings={str(tied).lower()}"]).model
+    ours = build_model(m)
+    theirs = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
+        num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads, rms_norm_eps=m.rms_norm_eps, tie_word_embeddings=tied))
+    assert {k: v.shape for k, v in ours.state_dict().items()} == {k: v.shape for k, v in theirs.state_dict().items()}
+    theirs.load_state_dict(ours.state_dict())
+    x = torch.randint(0, m.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ours(x), theirs(x).logits, rtol=0, atol=1e-6)
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("model", ("fsdpkit.parallel", "fsdpkit.train", "fsdpkit.checkpoint", "fsdpkit.cli", "fsdpkit.data")),
+        ("data", ("fsdpkit.parallel", "fsdpkit.train", "fsdpkit.checkpoint", "fsdpkit.cli", "fsdpkit.model")),
+        ("parallel", ("fsdpkit.train", "fsdpkit.checkpoint", "fsdpkit.cli")),
+        ("config", ("fsdpkit.model", "fsdpkit.parallel", "fsdpkit.train", "fsdpkit.cli", "fsdpkit.data")),
+        ("train", ("fsdpkit.cli",)),
+    ],
+)
+def test_imports_point_one_way(package, forbidden):
+    for path in (SRC / package).rglob("*.py"):
+        bad = [m for m in _imports(path) if m.startswith(forbidden)]
+        assert not bad, f"{path.relative_to(SRC)} imports {bad}"

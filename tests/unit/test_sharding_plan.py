@@ -1,0 +1,78 @@
+"""Sharding plans checked in one process with torch's fake backend: wrap policy, local shard
+shapes and the world-size-invariant init at any world size."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from fsdpkit.config import compose_config
+from fsdpkit.model import build_model, init_std
+from fsdpkit.parallel import apply_fsdp, init_weights, materialize
+from fsdpkit.parallel.fsdp import build_mesh
+from fsdpkit.parallel.policies import matching_modules
+
+OVERRIDES = ["model.vocab_size=1001", "device=cpu"]
+
+
+@pytest.fixture
+def fake_world(request):
+    ws, rank = request.param
+    dist.init_process_group("fake", rank=rank, world_size=ws, store=FakeStore())
+    yield ws, rank
+    dist.destroy_process_group()
+
+
+def check_local_shards(ws: int, rank: int) -> None:
+    """Every local shard holds exactly its rows of the single-process init (run in a fresh
+    interpreter per (ws, rank): the fake backend leaks device-mesh state across re-inits)."""
+    dist.init_process_group("fake", rank=rank, world_size=ws, store=FakeStore())
+    cfg = compose_config(OVERRIDES)
+    reference = build_model(cfg.model)
+    init_weights(reference, seed=cfg.seed, std=init_std(reference))
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    plan = apply_fsdp(model, cfg, mesh=build_mesh(cfg, torch.device("cpu")))
+    materialize(model, device=torch.device("cpu"), seed=cfg.seed)
+    assert plan.units == ["model.layers.0", "model.layers.1"] and plan.reshard_after_forward is True
+    for name, param in model.named_parameters():
+        full = reference.get_parameter(name)
+        chunk = -(-full.shape[0] // ws)  # FSDP2 shards dim 0 in torch.chunk sizes
+        assert torch.equal(param.to_local(), full[rank * chunk : (rank + 1) * chunk]), name
+    assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
+
+
+@pytest.mark.parametrize(("ws", "rank"), [(3, 0), (3, 2), (8, 7), (5, 1)])
+def test_local_shards_hold_their_rows_of_the_reference_init(ws, rank):
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharding_plan as t; t.check_local_shards({ws}, {rank})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fake_world", [(4, 0)], indirect=True)
+@pytest.mark.parametrize(
+    ("strategy", "mesh", "reshard"),
+    [("FULL_SHARD", (4,), True), ("SHARD_GRAD_OP", (4,), False), ("NO_SHARD", (4, 1), False),
+     ("HYBRID_SHARD", (2, 2), True)],
+)
+def test_strategies_map_onto_fsdp2(fake_world, strategy, mesh, reshard):
+    cfg = compose_config(OVERRIDES + [f"strategy.sharding_strategy={strategy}", "strategy.hsdp_shard_size=2"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    plan = apply_fsdp(model, cfg, mesh=build_mesh(cfg, torch.device("cpu")))
+    assert tuple(plan.mesh.shape) == mesh and plan.reshard_after_forward is reshard
+
+
+def test_wrap_policy_typo_is_a_clear_error():
+    with torch.device("meta"):
+        model = build_model(compose_config().model)
+    with pytest.raises(ValueError, match="cannot import 'fsdpkit.model.llama.LlamaDecoderLayr'"):
+        matching_modules(model, ["fsdpkit.model.llama.LlamaDecoderLayr"], setting="policy.auto_wrap_policy")
+    with pytest.raises(ValueError, match=r"matches no module of LlamaForCausalLM; the model's module classes are: .*fsdpkit\.model\.llama\.LlamaDecoderLayer"):
+        matching_modules(model, ["torch.nn.TransformerEncoderLayer"], setting="policy.auto_wrap_policy")
