@@ -1,0 +1,1 @@
+"""Checkpoints: sharded save with atomic commit, resolution, safe and verified load."""
