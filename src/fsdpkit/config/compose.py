@@ -144,6 +144,11 @@ def validate(cfg: Config) -> None:
     _positive("train.eval_every", t.eval_every, allow_zero=True)
     _positive("train.eval_samples", t.eval_samples, allow_zero=True)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    ck = cfg.checkpoint
+    _one_of("checkpoint.resume_mode", ck.resume_mode, ("full", "model_only"))
+    _positive("checkpoint.every_steps", ck.every_steps, allow_zero=True)
+    _positive("checkpoint.timeout_s", ck.timeout_s)
+    _positive("checkpoint.thread_count", ck.thread_count)
     _one_of("device", cfg.device, ("auto", "cpu", "cuda"))
     _one_of("backend", cfg.backend, ("auto", "gloo", "nccl"))
 

@@ -163,6 +163,34 @@ class TrainConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """When and how to save, and what to resume from."""
+
+    dir: str = "${run_dir}/checkpoints"
+    """Root of this run's checkpoints: step_<N>/ directories and the `latest` pointer."""
+    every_steps: int = 0
+    """Save every this many optimizer steps (0: only at the end, if save_at_end)."""
+    save_at_end: bool = True
+    """Save when training reaches train.max_steps."""
+    resume: str = "auto"
+    """`auto`: the newest committed, intact checkpoint under `dir` (on_exception when it is newer),
+    or a fresh start if there is none. `none`: always start fresh. A path: that checkpoint, which
+    must be committed and intact."""
+    resume_mode: str = "full"
+    """`full`: restore everything (model, optimizer, schedule, counters, data cursor, RNG).
+    `model_only`: weights only; optimizer, schedule, counters and data start from zero."""
+    verify_checksums: bool = True
+    """Before loading, recompute every file checksum (spread over ranks) and refuse corrupt files."""
+    verify_on_load: bool = True
+    """After loading, compare per-tensor checksums and optimizer step counts with the manifest."""
+    timeout_s: float = 600.0
+    """Bound on every collective around a save or load: a dead or stuck rank fails the save on
+    all ranks after this long instead of hanging them."""
+    thread_count: int = 1
+    """Writer threads per rank (DCP FileSystemWriter)."""
+
+
+@dataclass
 class Config:
     """Everything one run needs; composed from conf/config.yaml, its groups and overrides."""
 
@@ -192,3 +220,5 @@ class Config:
     """Optimizer and schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The loop."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming."""

@@ -52,12 +52,13 @@ def build_mesh(cfg: Config, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def build_sharded_model(cfg: Config, device: torch.device) -> tuple[nn.Module, ShardingPlan]:
-    """The configured model, sharded with FSDP2 on `device` and initialised from cfg.seed."""
+def build_sharded_model(cfg: Config, device: torch.device, *, init: bool = True) -> tuple[nn.Module, ShardingPlan]:
+    """The configured model, sharded with FSDP2 on `device` and initialised from cfg.seed.
+    With init=False (a checkpoint will be loaded) the random initialisation is skipped."""
     with torch.device("meta"):
         model = build_model(cfg.model)
     plan = apply_fsdp(model, cfg, mesh=build_mesh(cfg, device))
-    materialize(model, device=device, seed=cfg.seed, cpu_offload=cfg.strategy.cpu_offload)
+    materialize(model, device=device, seed=cfg.seed, cpu_offload=cfg.strategy.cpu_offload, init=init)
     return model, plan
 
 
@@ -101,14 +102,15 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
     )
 
 
-def materialize(model: nn.Module, *, device: torch.device, seed: int, cpu_offload: bool = False) -> None:
+def materialize(model: nn.Module, *, device: torch.device, seed: int, cpu_offload: bool = False, init: bool = True) -> None:
     """Allocate the sharded model and initialise it, identically at any world size.
 
     With CPU offload the sharded parameters live in CPU memory; buffers (not managed by FSDP2)
     still belong on the compute device.
     """
     model.to_empty(device="cpu" if cpu_offload else device)
-    init_weights(model, seed=seed, std=init_std(model))
+    if init:
+        init_weights(model, seed=seed, std=init_std(model))
     reset_nonpersistent_buffers(model)
     if cpu_offload:
         for module in model.modules():

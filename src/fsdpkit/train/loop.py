@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from fsdpkit import dist
+from fsdpkit.checkpoint.manager import Checkpointer
 from fsdpkit.data import GlobalSampler, eval_micro_batches, rank_micro_batches
 from fsdpkit.data.datasets import Dataset
 from fsdpkit.model import logits as model_logits
@@ -48,9 +49,11 @@ class Trainer:
     eval_samples: int
     progress: bool
     logger: logging.Logger
+    checkpointer: Checkpointer | None = None
 
     def stateful(self) -> dict[str, Any]:
-        """Everything that must survive a restart, by name."""
+        """The small Stateful pieces that must survive a restart, by name (model, optimizer and
+        RNG are saved as tensors beside them)."""
         return {"train": self.state, "data": self.sampler, "scheduler": self.scheduler}
 
     def train_step(self) -> dict[str, float]:
@@ -108,19 +111,23 @@ class Trainer:
         total, count = dist.all_reduce_sum([loss_sum, tokens], device=self.device)
         return total / count
 
-    def fit(self) -> dict[str, Any]:
-        """Train until max_steps, evaluating every eval_every steps and at the end."""
+    def fit(self, *, stop_at: int | None = None) -> dict[str, Any]:
+        """Train until max_steps (or until step `stop_at`, as an interruption would), evaluating
+        every eval_every steps and at the end, saving on the checkpointer's cadence."""
         start, wall0 = self.state.step, time.perf_counter()
+        end = self.max_steps if stop_at is None else min(stop_at, self.max_steps)
         progress = Progress(total=self.max_steps, start=start, enabled=self.progress)
         records: list[dict[str, float]] = []
         val_loss = None
         try:
-            while self.state.step < self.max_steps:
+            while self.state.step < end:
                 record = self.train_step()
                 last = self.state.step == self.max_steps
                 if last or (self.eval_every and self.state.step % self.eval_every == 0):
                     val_loss = record["val_loss"] = self.evaluate()
                     self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)
+                if self.checkpointer is not None:
+                    self.checkpointer.after_step(self.state.step, last=last)
                 self.metrics.step(record, quiet=progress.active)
                 progress.update(self.state.step, f"loss {record['loss']:.4f}")
                 records.append(record)

@@ -8,9 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from torch import nn
 
 from fsdpkit import __version__, dist
+from fsdpkit.checkpoint.manager import Checkpointer, checkpoint_group
+from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets
 from fsdpkit.log import get_logger, setup_logging
@@ -49,9 +52,9 @@ def local_param_mib(model: nn.Module) -> float:
     return total / 2**20
 
 
-def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path) -> Trainer:
+def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: bool = True) -> tuple[Trainer, ShardingPlan]:
     """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
-    model, plan = build_sharded_model(cfg, device)
+    model, plan = build_sharded_model(cfg, device, init=init)
     log.info("FSDP2: mesh %s, %d units (%s ...), reshard_after_forward=%s, activation checkpointing on %d, compiled %d",
              tuple(plan.mesh.shape), len(plan.units), ", ".join(plan.units[:3]), plan.reshard_after_forward,
              len(plan.checkpointed), len(plan.compiled))
@@ -62,7 +65,7 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path) -> Traine
     sampler = GlobalSampler(num_samples=len(train_data), global_batch_size=cfg.train.global_batch_size,
                             seed=cfg.seed, shuffle=cfg.data.shuffle)
     t = cfg.train
-    return Trainer(
+    trainer = Trainer(
         model=model,
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, cfg.optim, max_steps=t.max_steps),
@@ -80,6 +83,25 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path) -> Traine
         progress=t.progress,
         logger=log,
     )
+    return trainer, plan
+
+
+def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, group: Any) -> Checkpointer:
+    """Give the trainer a Checkpointer over its model, optimizer and Stateful pieces."""
+    target = CheckpointTarget(model=trainer.model, optimizer=trainer.optimizer, stateful=trainer.stateful())
+    sharding = {
+        "wrap_policy": list(cfg.policy.auto_wrap_policy),
+        "activation_checkpointing": list(cfg.policy.activation_checkpointing_policy),
+        "mixed_precision": cfg.policy.mixed_precision,
+        "reshard_after_forward": plan.reshard_after_forward,
+        "compiled": bool(plan.compiled),
+    }
+    run_meta = {
+        "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.mesh_dim_names or ())},
+        "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+    }
+    trainer.checkpointer = Checkpointer(cfg.checkpoint, target=target, group=group, sharding=sharding, run_meta=run_meta)
+    return trainer.checkpointer
 
 
 def run(cfg: Config) -> dict[str, Any]:
@@ -100,7 +122,12 @@ def run(cfg: Config) -> dict[str, Any]:
             log.info("resolved config (also in %s):\n%s", run_dir / CONFIG_FILE, to_yaml(cfg))
         dist.broadcast_object(None)  # everyone waits until the run directory exists
         log.info("fsdpkit %s, torch %s, world size %d, device %s", __version__, torch.__version__, dist.world_size(), device)
-        trainer = build_trainer(cfg, device=device, run_dir=run_dir)
+        group = checkpoint_group(cfg.checkpoint.timeout_s)
+        resume_path = Checkpointer.resolve(cfg.checkpoint, group=group)
+        trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=resume_path is None)
+        checkpointer = attach_checkpointer(trainer, cfg, plan, group=group)
+        if resume_path is not None:
+            checkpointer.resume_from(resume_path)
         summary = trainer.fit()
         trainer.metrics.close()
         trainer = None  # drop model and optimizer before teardown (see dist.shutdown)

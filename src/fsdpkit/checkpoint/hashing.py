@@ -1,0 +1,150 @@
+"""Checksums: of files, computed while DCP writes them; of tensors, independent of sharding.
+
+File checksums are xxh3-64 over every byte written, recorded by a stream wrapper installed in
+DCP's FileSystemWriter, so no second read is needed.
+
+Tensor checksums must come out the same for any world size, since a checkpoint saved on 4 ranks
+is verified after loading on 3. Each element contributes `bits(value) * weight(global index)`
+(mod 2**64), summed: the sum is independent of which rank holds which rows and of summation
+order, and any changed, missing or moved element changes it (except with ~2**-64 probability).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import xxhash
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+HASH_NAME = "xxh3_64"
+HASH_CHUNK_ELEMS = int(os.environ.get("FSDPKIT_HASH_CHUNK_ELEMS", str(1 << 22)))
+READ_CHUNK_BYTES = 8 << 20
+_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
+
+
+class _HashingStream(io.RawIOBase):
+    """Passes writes through to `raw` and hashes them; reports (size, digest) on close."""
+
+    def __init__(self, raw, on_close):
+        super().__init__()
+        self._raw, self._on_close, self._hash, self._size = raw, on_close, xxhash.xxh3_64(), 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        n = self._raw.write(b)
+        self._hash.update(memoryview(b)[:n] if n is not None else b)
+        self._size += n if n is not None else len(b)
+        return n
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def flush(self) -> None:
+        self._raw.flush()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._on_close(self._size, self._hash.hexdigest())
+        super().close()
+
+
+class HashingFileSystem(FileSystem):
+    """DCP's local FileSystem, recording size and checksum of every file it writes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.files: dict[str, dict[str, int | str]] = {}
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = Path(path).name.removesuffix(".tmp")  # DCP writes .metadata.tmp, then renames
+
+        def record(size: int, digest: str) -> None:
+            with self._lock:
+                self.files[name] = {"size": size, HASH_NAME: digest}
+
+        with super().create_stream(path, mode) as raw:
+            stream = _HashingStream(raw, record)
+            try:
+                yield stream
+            finally:
+                stream.close()
+
+
+def file_checksum(path: Path) -> tuple[int, str]:
+    """(size, xxh3-64 hex digest) of a file on disk."""
+    h, size = xxhash.xxh3_64(), 0
+    with path.open("rb") as f:
+        while chunk := f.read(READ_CHUNK_BYTES):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The element bit patterns of `t` as int64 (flattened)."""
+    t = t.detach().reshape(-1)
+    if t.dtype == torch.bool:
+        return t.to(torch.int64)
+    size = t.element_size()
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    return t.view(as_int).to(torch.int64) if t.dtype != as_int else t.to(torch.int64)
+
+
+def _partial_hash(local: torch.Tensor, first_index: int) -> int:
+    """Sum over local elements of bits * (2 * global_index + 1) * golden, mod 2**64 (int64 wraps)."""
+    flat = local.detach().contiguous().reshape(-1)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for start in range(0, flat.numel(), HASH_CHUNK_ELEMS):
+        chunk = _bits(flat[start : start + HASH_CHUNK_ELEMS])
+        idx = torch.arange(first_index + start, first_index + start + chunk.numel(), dtype=torch.int64, device=flat.device)
+        total += (chunk * ((idx * 2 + 1) * _GOLDEN)).sum()
+    return int(total)
+
+
+def _rank(group: tdist.ProcessGroup | None) -> int:
+    return tdist.get_rank(group) if tdist.is_initialized() else 0
+
+
+def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None) -> int:
+    """This rank's share of the hash; replicas (of plain tensors or Replicate dims) count once."""
+    if not isinstance(t, DTensor):
+        return _partial_hash(t, 0) if _rank(group) == 0 else 0
+    coord = t.device_mesh.get_coordinate()
+    if coord is None or any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord, strict=True)):
+        return 0
+    local = t.to_local()
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if any(offset[1:]):
+        raise NotImplementedError(f"tensor hashing supports dim-0 sharding only, got {t.placements}")
+    row_elems = local[0].numel() if local.dim() and local.shape[0] else 0
+    return _partial_hash(local, offset[0] * row_elems if local.dim() else 0)
+
+
+def tensor_hashes(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None) -> dict[str, str]:
+    """World-size-independent hex checksums of tensors that every rank holds (as DTensor shards
+    or as replicated plain tensors). Collective over `group`: every rank calls it, same keys."""
+    keys = sorted(tensors)
+    vec = torch.tensor([_local_contribution(tensors[k], group) for k in keys], dtype=torch.int64)
+    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
+        tdist.all_reduce(vec, group=group)  # integer sum: wraps mod 2**64, exact in any order
+    return {k: f"{int(v) & 0xFFFFFFFFFFFFFFFF:016x}" for k, v in zip(keys, vec.tolist(), strict=True)}

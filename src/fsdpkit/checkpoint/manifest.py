@@ -1,0 +1,117 @@
+"""manifest.json: what a committed checkpoint is, written last, read first.
+
+It records everything needed to trust and interpret the DCP files beside it: format version,
+step, world size and mesh, versions, the resolved config, the model fingerprint, an optimizer
+summary, the small Stateful pieces (trainer counters, scheduler, data cursor), per-tensor
+checksums, per-file sizes and checksums, and timings.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdpkit import __version__
+from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from fsdpkit.checkpoint.layout import MANIFEST, atomic_write_text
+
+FORMAT = "fsdpkit-checkpoint"
+FORMAT_VERSION = 1
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def model_fingerprint(model: nn.Module, *, sharding: dict[str, Any]) -> dict[str, Any]:
+    """Every parameter and persistent buffer FQN with its global shape and dtype, plus how the
+    model was sharded (informational: a different wrap policy must not break loading)."""
+    tensors = {}
+    for name, t in model.state_dict().items():
+        tensors[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+    return {"tensors": tensors, **sharding}
+
+
+def fingerprint_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Human-readable differences in names, shapes and dtypes (empty: compatible)."""
+    a, b = saved["tensors"], current["tensors"]
+    lines = [f"  only in checkpoint: {k} {a[k]['shape']} {a[k]['dtype']}" for k in sorted(a.keys() - b.keys())]
+    lines += [f"  only in model:      {k} {b[k]['shape']} {b[k]['dtype']}" for k in sorted(b.keys() - a.keys())]
+    for k in sorted(a.keys() & b.keys()):
+        if a[k] != b[k]:
+            lines.append(f"  changed: {k}: checkpoint {a[k]['shape']} {a[k]['dtype']}, model {b[k]['shape']} {b[k]['dtype']}")
+    return lines
+
+
+def sharding_notes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Differences that loading tolerates but the user should know about."""
+    return [f"{key} changed: checkpoint {saved.get(key)!r}, now {current.get(key)!r}"
+            for key in ("wrap_policy", "activation_checkpointing", "mixed_precision", "reshard_after_forward", "compiled")
+            if saved.get(key) != current.get(key)]
+
+
+def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], *, ckpt_dir: Path) -> list[str]:
+    """Raise CheckpointMismatchError on incompatible tensors; return notes for tolerated changes."""
+    diff = fingerprint_diff(saved, current)
+    if diff:
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt_dir} does not fit this model ({len(diff)} difference(s)); nothing was loaded:\n"
+            + "\n".join(diff[:40]) + ("\n  ..." if len(diff) > 40 else "")
+            + "\ncheck the model.* settings against the checkpoint's config.yaml, or start fresh with resume=none"
+        )
+    return sharding_notes(saved, current)
+
+
+def optimizer_summary(optimizer: torch.optim.Optimizer, *, step: int) -> dict[str, Any]:
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])} for g in optimizer.param_groups]
+    state_keys = sorted({k for s in optimizer.state.values() for k in s})
+    return {"class": type(optimizer).__name__, "param_groups": groups, "state_keys": state_keys, "step": step}
+
+
+def versions() -> dict[str, str]:
+    return {"fsdpkit": __version__, "torch": torch.__version__, "python": platform.python_version()}
+
+
+def write_manifest(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
+    """The commit: tmp + fsync + rename + directory fsync."""
+    atomic_write_text(ckpt_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+
+
+def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
+    """The committed manifest of `ckpt_dir`.
+
+    Raises:
+        FileNotFoundError: no manifest: the directory was never committed.
+        CheckpointCorruptError: unreadable or of an unknown format version.
+    """
+    path = ckpt_dir / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{ckpt_dir} has no {MANIFEST}: it was never committed (a save was interrupted)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointCorruptError(f"{path} is not valid JSON ({e}); the checkpoint cannot be trusted") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointCorruptError(f"{path} is not an fsdpkit manifest (format={manifest.get('format')!r})")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"{path} has format_version {manifest['format_version']}; this fsdpkit reads up to {FORMAT_VERSION}: upgrade fsdpkit"
+        )
+    return manifest
+
+
+def check_files_present(ckpt_dir: Path, manifest: dict[str, Any]) -> list[str]:
+    """Cheap completeness check (existence and size of every listed file): problems, if any."""
+    problems = []
+    for name, info in manifest["files"].items():
+        path = ckpt_dir / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif path.stat().st_size != info["size"]:
+            problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {info['size']} (truncated or overwritten)")
+    return problems

@@ -1,0 +1,174 @@
+"""Find the checkpoint to resume from, verify it, load it, and check what was restored."""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+
+from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
+from fsdpkit.checkpoint.layout import ON_EXCEPTION, candidate_dirs
+from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
+from fsdpkit.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+from fsdpkit.checkpoint.save import tensor_table
+from fsdpkit.checkpoint.state import CheckpointTarget, restore_rng
+
+log = logging.getLogger("fsdpkit.checkpoint")
+
+
+def committed_candidates(ckpt_root: Path) -> list[tuple[Path, int]]:
+    """Committed checkpoints, newest first (on_exception first when it is at least as new);
+    incomplete ones are skipped with a warning naming the directory and why."""
+    found = []
+    for path in candidate_dirs(ckpt_root):
+        try:
+            manifest = read_manifest(path)
+        except (FileNotFoundError, CheckpointCorruptError) as e:
+            log.warning("skipping %s: %s", path, e)
+            continue
+        problems = check_files_present(path, manifest)
+        if problems:
+            log.warning("skipping %s: %s", path, "; ".join(problems))
+            continue
+        found.append((path, manifest["step"]))
+    return sorted(found, key=lambda item: (item[1], item[0].name == ON_EXCEPTION), reverse=True)
+
+
+def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None = None,
+                 threads: int = 4) -> list[str]:
+    """Recompute every file checksum, split over ranks (and threads); every rank gets all problems."""
+    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    ws = tdist.get_world_size(group) if tdist.is_initialized() else 1
+    names = sorted(manifest["files"])[rank::ws]
+
+    def check(name: str) -> str | None:
+        path = ckpt_dir / name
+        if not path.is_file():
+            return f"{path} is missing"
+        size, digest = file_checksum(path)
+        info = manifest["files"][name]
+        if size != info["size"]:
+            return f"{path} has {size} bytes, expected {info['size']} (truncated or overwritten)"
+        if digest != info[HASH_NAME]:
+            return f"{path} fails its checksum ({HASH_NAME} {digest}, expected {info[HASH_NAME]}): the file is corrupt"
+        return None
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        mine = [p for p in pool.map(check, names) if p]
+    if not tdist.is_initialized():
+        return mine
+    everyone: list[list[str]] = [[] for _ in range(ws)]
+    tdist.all_gather_object(everyone, mine, group=group)
+    return [p for problems in everyone for p in problems]
+
+
+def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGroup | None,
+                       verify_checksums: bool = True) -> Path | None:
+    """The checkpoint every rank resumes from (rank 0 decides, all ranks verify together).
+
+    `none`: None. `auto`: the newest committed checkpoint that passes verification, or None.
+    A path: that checkpoint, which must be committed and intact.
+    """
+    if resume == "none":
+        return None
+    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    if resume == "auto":
+        candidates = [str(p) for p, _ in committed_candidates(ckpt_root)] if rank == 0 else None
+        explicit = False
+    else:
+        candidates, explicit = [resume], True
+    if tdist.is_initialized():
+        box = [candidates]
+        tdist.broadcast_object_list(box, src=0, group=group)
+        candidates = box[0]
+    for candidate in candidates:
+        path = Path(candidate)
+        try:
+            manifest = read_manifest(path)
+            missing = check_files_present(path, manifest)
+            if missing:
+                raise CheckpointCorruptError(f"{path} is incomplete: " + "; ".join(missing))
+        except FileNotFoundError as e:
+            if not path.exists():
+                raise FileNotFoundError(f"checkpoint.resume={resume!r}: {path} does not exist") from None
+            raise CheckpointError(f"checkpoint.resume={resume!r} is not a committed checkpoint: {e}") from None
+        problems = verify_files(path, manifest, group=group) if verify_checksums else []
+        if not problems:
+            return path
+        message = f"{path} failed verification:\n  " + "\n  ".join(problems)
+        if explicit:
+            raise CheckpointCorruptError(message)
+        log.warning("skipping %s", message)
+    return None
+
+
+def load_checkpoint(
+    target: CheckpointTarget,
+    ckpt_dir: Path,
+    *,
+    fingerprint: dict[str, Any],
+    group: tdist.ProcessGroup | None,
+    model_only: bool = False,
+    verify: bool = True,
+) -> dict[str, Any]:
+    """Load `ckpt_dir` into `target` (resharding to the current world size as needed).
+
+    Checks the model fingerprint before touching any state. With `verify`, recomputes per-tensor
+    checksums of what was restored and compares them with the manifest.
+
+    Returns: a report with the manifest, notes about tolerated changes and timings.
+    Raises:
+        CheckpointMismatchError: incompatible model, or restored state differs from what was saved.
+    """
+    t0 = time.perf_counter()
+    manifest = read_manifest(ckpt_dir)
+    notes = check_fingerprint(manifest["fingerprint"], fingerprint, ckpt_dir=ckpt_dir)
+    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    state = target.tensor_state(rank=rank, with_optimizer=not model_only)
+    reader = SafeFileSystemReader(ckpt_dir)
+    saved_keys = reader.read_metadata().state_dict_metadata.keys()
+    if "rng" in state and f"rng.rank{rank}.torch_cpu" not in saved_keys:
+        notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
+        del state["rng"]
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+    target.restore_tensors(state)
+    if not model_only:
+        for name, obj in target.stateful.items():
+            obj.load_state_dict(manifest["trainer"][name])
+        if "rng" in state:
+            restore_rng(state["rng"][f"rank{rank}"])
+    t_load = time.perf_counter()
+    if verify:
+        verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir)
+    t_verify = time.perf_counter()
+    return {"manifest": manifest, "notes": notes, "load_s": t_load - t0, "verify_s": t_verify - t_load}
+
+
+def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None,
+                    model_only: bool, ckpt_dir: Path) -> None:
+    """Compare the live, restored state with the manifest: keys, shapes, dtypes, checksums and
+    optimizer step counts. Any difference is an error naming the key and both values."""
+    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    live = tensor_table(target.tensor_state(rank=rank, with_optimizer=not model_only), group=group)
+    saved = {k: v for k, v in manifest["tensors"].items() if not model_only or k.startswith("model.")}
+    problems = [f"{k}: in the checkpoint, not restored" for k in sorted(saved.keys() - live.keys())]
+    problems += [f"{k}: restored, but not in the checkpoint" for k in sorted(live.keys() - saved.keys())]
+    for k in sorted(saved.keys() & live.keys()):
+        for field in ("shape", "dtype", "hash"):
+            if saved[k][field] != live[k][field]:
+                problems.append(f"{k}: {field} saved {saved[k][field]}, restored {live[k][field]}")
+    if not model_only:
+        expected = manifest["trainer"]["train"]["step"]
+        opt_steps = {int(s["step"]) for s in target.optimizer.state.values() if "step" in s}
+        if opt_steps and opt_steps != {expected}:
+            problems.append(f"optimizer step counts {sorted(opt_steps)} differ from the trainer step {expected}")
+    if problems:
+        raise CheckpointMismatchError(
+            f"restored state differs from checkpoint {ckpt_dir} ({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:40])
+        )

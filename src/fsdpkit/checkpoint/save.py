@@ -1,0 +1,115 @@
+"""Sharded save with an atomic commit.
+
+Every rank writes its shards through DCP (file checksums computed while writing); then the file
+lists are gathered, rank 0 writes manifest.json (the commit) and moves `latest`, and a final
+barrier tells every rank the checkpoint is committed. All collectives run on a dedicated gloo
+group created with a bounded timeout, so a dead or stuck rank fails the save on every other rank
+instead of hanging it; the previous checkpoint then stays `latest`.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from fsdpkit.checkpoint.errors import CheckpointSaveError
+from fsdpkit.checkpoint.hashing import HashingFileSystem, tensor_hashes
+from fsdpkit.checkpoint.layout import MANIFEST, publish_latest
+from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
+from fsdpkit.checkpoint.state import CheckpointTarget, flatten
+
+
+def checksummed_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The model and optimizer tensors of a DCP state dict, by DCP key (RNG is per rank: excluded)."""
+    flat = flatten({k: v for k, v in state.items() if k in ("model", "optim")})
+    return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
+def tensor_table(state: dict[str, Any], *, group: tdist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
+    tensors = checksummed_tensors(state)
+    hashes = tensor_hashes(tensors, group=group)
+    return {k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "hash": hashes[k]} for k, t in tensors.items()}
+
+
+def _gather(obj: Any, group: tdist.ProcessGroup | None) -> list[Any]:
+    if not tdist.is_initialized():
+        return [obj]
+    out = [None] * tdist.get_world_size(group)
+    tdist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def save_checkpoint(
+    target: CheckpointTarget,
+    *,
+    ckpt_dir: Path,
+    step: int,
+    meta: dict[str, Any],
+    group: tdist.ProcessGroup | None,
+    thread_count: int = 1,
+) -> dict[str, Any]:
+    """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest.
+
+    Args:
+        meta: manifest fields known to the caller (config, fingerprint, optimizer summary, mesh).
+    Raises:
+        CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
+    """
+    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    t0 = time.perf_counter()
+    try:
+        if rank == 0 and ckpt_dir.exists():
+            shutil.rmtree(ckpt_dir)  # a stale, uncommitted attempt at this step (never a committed one: see caller)
+        _barrier(group)
+        state = target.tensor_state(rank=rank)
+        tensors = tensor_table(state, group=group)
+        t_stage = time.perf_counter()
+        fs = HashingFileSystem()
+        writer = FileSystemWriter(ckpt_dir, sync_files=True, thread_count=thread_count)
+        writer.fs = fs
+        dcp.save(state, storage_writer=writer, process_group=group)
+        t_write = time.perf_counter()
+        files_by_rank = _gather(fs.files, group)
+        manifest = None
+        if rank == 0:
+            files = {name: info for rank_files in files_by_rank for name, info in rank_files.items()}
+            manifest = {
+                "format": FORMAT,
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "committed_at": datetime.now(timezone.utc).isoformat(),
+                "world_size": tdist.get_world_size(group) if tdist.is_initialized() else 1,
+                "versions": versions(),
+                **meta,
+                "trainer": target.json_state(),
+                "tensors": tensors,
+                "files": dict(sorted(files.items())),
+                "bytes_per_rank": [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank],
+                "timings": {"stage_s": t_stage - t0, "write_s": t_write - t_stage},
+            }
+            manifest["timings"]["total_s"] = time.perf_counter() - t0
+            write_manifest(ckpt_dir, manifest)
+            publish_latest(ckpt_dir)
+        _barrier(group)
+        return manifest if manifest is not None else {"step": step}
+    except CheckpointException as e:  # a BaseException: wrap so callers' `except Exception` sees it
+        raise CheckpointSaveError(f"saving {ckpt_dir} failed on at least one rank; the previous checkpoint stays latest: {e}") from e
+    except RuntimeError as e:  # a collective timed out or lost a peer
+        raise CheckpointSaveError(
+            f"saving {ckpt_dir} failed: a rank died or stalled ({str(e).splitlines()[0]}); "
+            f"the previous checkpoint stays latest and {ckpt_dir.name} has no {MANIFEST}"
+        ) from e
+
+
+def _barrier(group: tdist.ProcessGroup | None) -> None:
+    if tdist.is_initialized():
+        tdist.barrier(group=group)  # the group's own (bounded) timeout applies

@@ -1,0 +1,139 @@
+"""Checkpoint scenarios on N gloo ranks under torchrun. Usage: ckpt_worker.py PHASE OUT.json WORK_DIR
+
+Phases (run in this order by the tests, sharing WORK_DIR):
+  ws2: exact same-world-size resume (fp32 and bf16, two resumes, mid-warmup, with accumulation),
+       model-only loading, a fingerprint mismatch; saves the 2-rank checkpoint for elastic loads
+  ws4: loads the 2-rank checkpoint (2->4); saves a 4-rank checkpoint
+  ws3: loads the 4-rank (4->3) and 2-rank (2->3) checkpoints
+  ws2b: loads the 4-rank checkpoint (4->2)
+Every elastic load compares the restored full state with what was saved, bit for bit, and the
+losses that follow with the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+
+from fsdpkit import dist
+from fsdpkit.checkpoint.errors import CheckpointMismatchError
+from fsdpkit.checkpoint.manager import Checkpointer, checkpoint_group
+from fsdpkit.config import compose_config
+from fsdpkit.train.determinism import enable_determinism
+from fsdpkit.train.run import attach_checkpointer, build_trainer
+
+STEPS = 12
+BASE = ["deterministic=true", f"train.max_steps={STEPS}", "train.global_batch_size=16", "train.micro_batch_size=2",
+        "train.progress=false", "optim.warmup_steps=6", "model.vocab_size=1001", "train.eval_samples=8",
+        "checkpoint.save_at_end=false"]
+GROUP = None
+
+
+def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, resume: str = "auto",
+            dump_loaded_to: Path | None = None, dump_final_to: Path | None = None) -> dict:
+    """One 'job': build, resume per checkpoint.resume, train to stop_at; per-step records."""
+    cfg = compose_config(BASE + overrides + [f"run_dir={run_dir}", f"checkpoint.resume={resume}"])
+    if dist.is_main():
+        run_dir.mkdir(parents=True, exist_ok=True)
+    tdist.barrier()
+    path = Checkpointer.resolve(cfg.checkpoint, group=GROUP)
+    trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=run_dir, init=path is None)
+    ckpt = attach_checkpointer(trainer, cfg, plan, group=GROUP)
+    report = ckpt.resume_from(path) if path is not None else None
+    if dump_loaded_to is not None:
+        dump_full_state(trainer, dump_loaded_to)
+    start = trainer.state.step
+    trainer.fit(stop_at=stop_at)
+    if dump_final_to is not None:
+        dump_full_state(trainer, dump_final_to)
+    trainer.metrics.close()
+    out = {"resumed_from": str(path) if path else None, "start": start,
+           "notes": report["notes"] if report else [], "verify_s": report["verify_s"] if report else None}
+    if dist.is_main():
+        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        out["records"] = [r for r in recs if r["step"] > start]
+    return out
+
+
+def dump_full_state(trainer, path: Path) -> None:
+    """Rank 0 writes every model and optimizer tensor, gathered, for bitwise comparisons."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
+    full = {f"model.{k}": v.full_tensor() for k, v in model_sd.items()}
+    for fqn, st in optim_sd["state"].items():
+        for k, v in st.items():
+            full[f"optim.{fqn}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
+    full["train.step"] = torch.tensor(trainer.state.step)
+    if dist.is_main():
+        torch.save(full, path)
+
+
+def losses(result: dict) -> list[float]:
+    return [r["loss"] for r in result.get("records", [])]
+
+
+def phase_ws2(work: Path) -> dict:
+    res = {}
+    for name, extra in (("fp32", []), ("bf16", ["experiment=bf16"])):
+        res[f"{name}_full"] = session(work / f"{name}_full", extra)
+        run = work / f"{name}_resumed"
+        first = session(run, extra + ["checkpoint.every_steps=3"], stop_at=3)  # killed mid-warmup
+        second = session(run, extra + ["checkpoint.every_steps=7"], stop_at=8)  # 2nd resume, same epoch
+        third = session(run, extra + ["checkpoint.every_steps=7"])
+        res[f"{name}_parts"] = [first, second, third]
+    # elastic sources: the uninterrupted fp32 run saves at step 6 (and dumps its state there)
+    src = work / "src2"
+    (work / "dumps").mkdir(exist_ok=True)
+    res["src2"] = session(src, ["checkpoint.every_steps=6"], stop_at=6, dump_final_to=work / "dumps" / "saved_ws2.pt")
+    res["model_only"] = session(work / "model_only", ["checkpoint.resume_mode=model_only"], stop_at=2,
+                                resume=str(src / "checkpoints" / "step_6"))
+    try:
+        session(work / "mismatch", ["model.hidden_size=64"], stop_at=1, resume=str(src / "checkpoints" / "step_6"))
+        res["mismatch_error"] = None
+    except CheckpointMismatchError as e:
+        res["mismatch_error"] = str(e)
+    return res
+
+
+def elastic_load(work: Path, source: str, tag: str) -> dict:
+    run = work / f"elastic_{tag}"
+    if dist.is_main() and run.exists():
+        shutil.rmtree(run)
+    tdist.barrier()
+    return session(run, [], resume=str(work / source / "checkpoints" / "step_6"),
+                   dump_loaded_to=work / "dumps" / f"loaded_{tag}.pt")
+
+
+def main() -> None:
+    global GROUP
+    phase, out_path, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    enable_determinism()
+    dist.init_process_group(backend="gloo")
+    GROUP = checkpoint_group(120)
+    if phase == "ws2":
+        res = phase_ws2(work)
+    elif phase == "ws4":
+        res = {"full4": session(work / "full4", []), "2to4": elastic_load(work, "src2", "2to4")}
+        res["src4"] = session(work / "src4", ["checkpoint.every_steps=6"], stop_at=6,
+                              dump_final_to=work / "dumps" / "saved_ws4.pt")
+    elif phase == "ws3":
+        res = {"4to3": elastic_load(work, "src4", "4to3"), "2to3": elastic_load(work, "src2", "2to3")}
+    elif phase == "ws2b":
+        res = {"4to2": elastic_load(work, "src4", "4to2")}
+    else:
+        raise SystemExit(f"unknown phase {phase}")
+    if dist.is_main():
+        out_path.write_text(json.dumps(res))
+    dist.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
