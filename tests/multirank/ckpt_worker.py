@@ -29,7 +29,7 @@ from fsdpkit.train.determinism import enable_determinism
 from fsdpkit.train.run import attach_checkpointer, build_trainer
 
 STEPS = 12
-BASE = ["deterministic=true", f"train.max_steps={STEPS}", "train.global_batch_size=16", "train.micro_batch_size=2",
+BASE = ["deterministic=true", f"train.max_steps={STEPS}", "train.global_batch_size=12", "train.micro_batch_size=1",
         "train.progress=false", "optim.warmup_steps=6", "model.vocab_size=1001", "train.eval_samples=8",
         "checkpoint.save_at_end=false"]
 GROUP = None

@@ -66,8 +66,17 @@ class GlobalSampler:
 
 
 def rank_micro_batches(global_batch: list[int], *, rank: int, world_size: int, micro_batch_size: int) -> list[list[int]]:
-    """This rank's contiguous slice of the global batch, split into micro-batches."""
+    """This rank's contiguous slice of the global batch, split into micro-batches.
+
+    Raises:
+        ValueError: the batch does not split evenly (samples would be silently dropped).
+    """
     per_rank = len(global_batch) // world_size
+    if per_rank * world_size != len(global_batch) or per_rank % micro_batch_size:
+        raise ValueError(
+            f"a global batch of {len(global_batch)} does not split into {world_size} ranks x micro-batches of "
+            f"{micro_batch_size}; change train.global_batch_size or train.micro_batch_size"
+        )
     mine = global_batch[rank * per_rank : (rank + 1) * per_rank]
     return [mine[i : i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
 

@@ -54,6 +54,7 @@ def local_param_mib(model: nn.Module) -> float:
 
 def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: bool = True) -> tuple[Trainer, ShardingPlan]:
     """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
+    check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
     model, plan = build_sharded_model(cfg, device, init=init)
     log.info("FSDP2: mesh %s, %d units (%s ...), reshard_after_forward=%s, activation checkpointing on %d, compiled %d",
              tuple(plan.mesh.shape), len(plan.units), ", ".join(plan.units[:3]), plan.reshard_after_forward,
@@ -113,7 +114,6 @@ def run(cfg: Config) -> dict[str, Any]:
     setup_logging(cfg.log_level)
     trainer = None
     try:
-        check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
         seed_everything(cfg.seed, rank=dist.rank())
         run_dir = Path(cfg.run_dir)
         if dist.is_main():
