@@ -92,6 +92,7 @@ def phase_ws2(work: Path) -> dict:
     src = work / "src2"
     (work / "dumps").mkdir(exist_ok=True)
     res["src2"] = session(src, ["checkpoint.every_steps=6"], stop_at=6, dump_final_to=work / "dumps" / "saved_ws2.pt")
+    res["src2_bf16"] = session(work / "src2_bf16", ["experiment=bf16", "checkpoint.every_steps=6"], stop_at=6)
     res["model_only"] = session(work / "model_only", ["checkpoint.resume_mode=model_only"], stop_at=2,
                                 resume=str(src / "checkpoints" / "step_6"))
     try:
@@ -121,6 +122,8 @@ def main() -> None:
         res = phase_ws2(work)
     elif phase == "ws4":
         res = {"full4": session(work / "full4", []), "2to4": elastic_load(work, "src2", "2to4")}
+        res["2to4_bf16"] = session(work / "elastic_2to4_bf16", ["experiment=bf16"],
+                                   resume=str(work / "src2_bf16" / "checkpoints" / "step_6"))
         res["src4"] = session(work / "src4", ["checkpoint.every_steps=6"], stop_at=6,
                               dump_final_to=work / "dumps" / "saved_ws4.pt")
     elif phase == "ws3":

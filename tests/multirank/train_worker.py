@@ -29,7 +29,7 @@ def train(name: str, overrides: list[str], runs: Path) -> dict:
     if dist.is_main():
         (runs / name).mkdir(parents=True, exist_ok=True)
     tdist.barrier()
-    trainer = build_trainer(cfg, device=torch.device("cpu"), run_dir=runs / name)
+    trainer, _ = build_trainer(cfg, device=torch.device("cpu"), run_dir=runs / name)
     summary = trainer.fit()
     trainer.metrics.close()
     out = {"val_loss": summary["val_loss"], "local_mib": local_param_mib(trainer.model)}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,10 +66,11 @@ class _HashingStream(io.RawIOBase):
 class HashingFileSystem(FileSystem):
     """DCP's local FileSystem, recording size and checksum of every file it writes."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, die_mid_write: bool = False) -> None:
         super().__init__()
         self.files: dict[str, dict[str, int | str]] = {}
         self._lock = threading.Lock()
+        self._die_mid_write = die_mid_write
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
@@ -83,6 +85,10 @@ class HashingFileSystem(FileSystem):
                 self.files[name] = {"size": size, HASH_NAME: digest}
 
         with super().create_stream(path, mode) as raw:
+            if self._die_mid_write:  # test hook (see save.KILL_DURING_SAVE_ENV): a rank dying mid-write
+                raw.write(b"partial")
+                raw.flush()
+                os.kill(os.getpid(), signal.SIGKILL)
             stream = _HashingStream(raw, record)
             try:
                 yield stream

@@ -11,7 +11,11 @@ from typing import Any
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 
-from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
+from fsdpkit.checkpoint.errors import (
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointMismatchError,
+)
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
 from fsdpkit.checkpoint.layout import ON_EXCEPTION, candidate_dirs
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest

@@ -9,9 +9,10 @@ instead of hanging it; the previous checkpoint then stays `latest`.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,14 @@ from fsdpkit.checkpoint.hashing import HashingFileSystem, tensor_hashes
 from fsdpkit.checkpoint.layout import MANIFEST, publish_latest
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
+
+# Test hook: "<step>:<rank>" makes that rank SIGKILL itself in the middle of writing that step's
+# checkpoint, as a crash or an OOM kill would (tests prove `latest` then stays on the previous one).
+KILL_DURING_SAVE_ENV = "FSDPKIT_TEST_KILL_DURING_SAVE"
+
+
+def _dies_during_this_save(step: int, rank: int) -> bool:
+    return os.environ.get(KILL_DURING_SAVE_ENV, "") == f"{step}:{rank}"
 
 
 def checksummed_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -73,7 +82,7 @@ def save_checkpoint(
         state = target.tensor_state(rank=rank)
         tensors = tensor_table(state, group=group)
         t_stage = time.perf_counter()
-        fs = HashingFileSystem()
+        fs = HashingFileSystem(die_mid_write=_dies_during_this_save(step, rank))
         writer = FileSystemWriter(ckpt_dir, sync_files=True, thread_count=thread_count)
         writer.fs = fs
         dcp.save(state, storage_writer=writer, process_group=group)
@@ -86,7 +95,7 @@ def save_checkpoint(
                 "format": FORMAT,
                 "format_version": FORMAT_VERSION,
                 "step": step,
-                "committed_at": datetime.now(timezone.utc).isoformat(),
+                "committed_at": datetime.now(UTC).isoformat(),
                 "world_size": tdist.get_world_size(group) if tdist.is_initialized() else 1,
                 "versions": versions(),
                 **meta,

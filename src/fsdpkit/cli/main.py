@@ -6,6 +6,8 @@ import argparse
 import os
 import sys
 
+from fsdpkit.checkpoint.errors import CheckpointError
+
 TRAIN_HELP = """\
 Train with FSDP2. Overrides use Hydra syntax: key=value, +key=value (add), ++key=value (add or
 override), ~key (delete: the schema default applies), experiment=[a,b] (compose experiment files
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
     try:
         code = {"train": _train, "config": _config}[args.command](args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"fsdpkit {args.command}: error: {e}", file=sys.stderr)
         code = 2
     if under_launcher:
