@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.config.schema import CheckpointConfig
 
 log = logging.getLogger("fsdpkit.checkpoint")
+# Test hook: comma-separated Stateful names (e.g. "scheduler,data") not restored on resume, to
+# prove that `fsdpkit resume-check` catches state that a resume loses.
+SKIP_RESTORE_ENV = "FSDPKIT_TEST_SKIP_RESTORE"
 
 
 def checkpoint_group(timeout_s: float) -> tdist.ProcessGroup | None:
@@ -44,7 +48,8 @@ class Checkpointer:
         """Load `path` (already resolved on every rank) and log what happened."""
         model_only = self.cfg.resume_mode == "model_only"
         report = load_checkpoint(self.target, path, fingerprint=self.fingerprint(), group=self.group,
-                                 model_only=model_only, verify=self.cfg.verify_on_load)
+                                 model_only=model_only, verify=self.cfg.verify_on_load,
+                                 skip=frozenset(filter(None, os.environ.get(SKIP_RESTORE_ENV, "").split(","))))
         manifest = report["manifest"]
         what = "model weights only (optimizer, schedule, counters and data start fresh)" if model_only else "full state"
         log.info("resumed %s from %s (step %d, saved on %d ranks) in %.2f s; post-load verification %.3f s",

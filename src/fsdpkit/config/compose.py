@@ -142,6 +142,7 @@ def validate(cfg: Config) -> None:
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_every"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.eval_every", t.eval_every, allow_zero=True)
+    _positive("train.stop_at", t.stop_at, allow_zero=True)
     _positive("train.eval_samples", t.eval_samples, allow_zero=True)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
     ck = cfg.checkpoint

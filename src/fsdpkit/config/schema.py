@@ -156,6 +156,9 @@ class TrainConfig:
     """Compute val_loss every this many steps (0: only at the end)."""
     eval_samples: int = 64
     """Held-out samples per evaluation (the same samples at any world size)."""
+    stop_at: int = 0
+    """Stop after this step as an interruption would (the schedule still targets max_steps; a later
+    run resumes from the last checkpoint). 0: run to max_steps."""
     compile: bool = False
     """torch.compile each decoder block (after activation checkpointing, before fully_shard)."""
     progress: bool = True

@@ -122,7 +122,7 @@ class Trainer:
         try:
             while self.state.step < end:
                 record = self.train_step()
-                last = self.state.step == self.max_steps
+                last = self.state.step == self.max_steps  # not at stop_at: an interruption is not the end
                 if last or (self.eval_every and self.state.step % self.eval_every == 0):
                     val_loss = record["val_loss"] = self.evaluate()
                     self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)

@@ -128,7 +128,7 @@ def run(cfg: Config) -> dict[str, Any]:
         checkpointer = attach_checkpointer(trainer, cfg, plan, group=group)
         if resume_path is not None:
             checkpointer.resume_from(resume_path)
-        summary = trainer.fit()
+        summary = trainer.fit(stop_at=cfg.train.stop_at or None)
         trainer.metrics.close()
         trainer = None  # drop model and optimizer before teardown (see dist.shutdown)
         if dist.is_main():
