@@ -36,8 +36,8 @@ class StrategyConfig:
     """Keep sharded params, grads and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy; the
     optimizer step runs on CPU). Pinned memory is used only when CUDA is available."""
     state_dict_type: str = "sharded"
-    """How checkpoints store the model: `sharded` (each rank writes its own shard, default) or
-    `full` (gathered to rank 0 in CPU memory)."""
+    """How checkpoints store the model: `sharded` (each rank writes its own shard). `full` (gathered
+    to rank 0 as safetensors) is reserved and rejected for now."""
 
 
 @dataclass
