@@ -92,6 +92,11 @@ def phase_ws2(work: Path) -> dict:
     src = work / "src2"
     (work / "dumps").mkdir(exist_ok=True)
     res["src2"] = session(src, ["checkpoint.every_steps=6"], stop_at=6, dump_final_to=work / "dumps" / "saved_ws2.pt")
+    run = work / "full_type_resumed"
+    full_type = ["strategy.state_dict_type=full"]
+    res["full_type_parts"] = [session(run, full_type + ["checkpoint.every_steps=6"], stop_at=6),
+                              session(run, full_type + ["checkpoint.every_steps=6"])]
+    res["full_type_files"] = sorted(p.name for p in (run / "checkpoints" / "step_6").iterdir())
     res["src2_bf16"] = session(work / "src2_bf16", ["experiment=bf16", "checkpoint.every_steps=6"], stop_at=6)
     res["model_only"] = session(work / "model_only", ["checkpoint.resume_mode=model_only"], stop_at=2,
                                 resume=str(src / "checkpoints" / "step_6"))
@@ -122,6 +127,8 @@ def main() -> None:
         res = phase_ws2(work)
     elif phase == "ws4":
         res = {"full4": session(work / "full4", []), "2to4": elastic_load(work, "src2", "2to4")}
+        res["2to4_full_type"] = session(work / "elastic_2to4_full_type", ["strategy.state_dict_type=full"],
+                                        resume=str(work / "full_type_resumed" / "checkpoints" / "step_6"))
         res["2to4_bf16"] = session(work / "elastic_2to4_bf16", ["experiment=bf16"],
                                    resume=str(work / "src2_bf16" / "checkpoints" / "step_6"))
         res["src4"] = session(work / "src4", ["checkpoint.every_steps=6"], stop_at=6,

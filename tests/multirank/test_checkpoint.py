@@ -88,3 +88,15 @@ def test_fingerprint_mismatch_fails_before_touching_state(ckpt):
     err = res["mismatch_error"]
     assert err is not None and "does not fit this model" in err and "nothing was loaded" in err
     assert "changed: model.embed_tokens.weight: checkpoint [1001, 128] float32, model [1001, 64] float32" in err
+
+
+def test_full_state_dict_type_resumes_bitwise_and_elastically(ckpt):
+    res, _ = ckpt
+    assert res["full_type_files"] == ["manifest.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors"]
+    first, second = res["full_type_parts"]
+    assert second["resumed_from"].endswith("full_type_resumed/checkpoints/step_6") and second["start"] == 6
+    resumed = {**by_step(first), **by_step(second)}
+    assert resumed == by_step(res["fp32_full"])  # bit-identical at the same world size
+    reference, elastic = by_step(res["full4"]), by_step(res["2to4_full_type"])
+    assert sorted(elastic) == list(range(7, 13))
+    assert max(abs(v - reference[s]) / reference[s] for s, v in elastic.items()) < FP32_RTOL

@@ -35,8 +35,9 @@ class Checkpointer:
     """Saves `target` every `cfg.every_steps` steps and at the end; resumes from `cfg.resume`."""
 
     def __init__(self, cfg: CheckpointConfig, *, target: CheckpointTarget, group: tdist.ProcessGroup | None,
-                 sharding: dict[str, Any], run_meta: dict[str, Any]):
+                 sharding: dict[str, Any], run_meta: dict[str, Any], state_dict_type: str = "sharded"):
         self.cfg, self.target, self.group = cfg, target, group
+        self.state_dict_type = state_dict_type
         self.root = Path(cfg.dir)
         self.sharding, self.run_meta = sharding, run_meta
         self.last_saved_step: int | None = None
@@ -71,7 +72,7 @@ class Checkpointer:
             "optimizer": optimizer_summary(self.target.optimizer, step=step),
         }
         manifest = save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
-                                   thread_count=self.cfg.thread_count)
+                                   thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type)
         self.last_saved_step = step
         if "timings" in manifest:
             t = manifest["timings"]

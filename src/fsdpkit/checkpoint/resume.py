@@ -16,6 +16,7 @@ from fsdpkit.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
 )
+from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
 from fsdpkit.checkpoint.layout import ON_EXCEPTION, candidate_dirs
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
@@ -136,25 +137,36 @@ def load_checkpoint(
     manifest = read_manifest(ckpt_dir)
     notes = check_fingerprint(manifest["fingerprint"], fingerprint, ckpt_dir=ckpt_dir)
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
-    state = target.tensor_state(rank=rank, with_optimizer=not model_only)
-    reader = SafeFileSystemReader(ckpt_dir)
-    saved_keys = reader.read_metadata().state_dict_metadata.keys()
-    if "rng" in state and f"rng.rank{rank}.torch_cpu" not in saved_keys:
+    if manifest.get("state_dict_type", "sharded") == "full":
+        rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
+    else:
+        rng = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only)
+    if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
-        del state["rng"]
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
-    target.restore_tensors(state)
     if not model_only:
         for name, obj in target.stateful.items():
             if name not in skip:
                 obj.load_state_dict(manifest["trainer"][name])
-        if "rng" in state:
-            restore_rng(state["rng"][f"rank{rank}"])
+        if rng is not None:
+            restore_rng(rng)
     t_load = time.perf_counter()
     if verify:
         verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir)
     t_verify = time.perf_counter()
     return {"manifest": manifest, "notes": notes, "load_s": t_load - t0, "verify_s": t_verify - t_load}
+
+
+def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None,
+                  model_only: bool) -> dict[str, Any] | None:
+    """DCP load (resharding as needed) into the live model/optimizer; returns this rank's RNG state."""
+    state = target.tensor_state(rank=rank, with_optimizer=not model_only)
+    reader = SafeFileSystemReader(ckpt_dir)
+    # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
+    if "rng" in state and f"rng.rank{rank}.torch_cpu" not in reader.read_metadata().state_dict_metadata:
+        del state["rng"]
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+    target.restore_tensors(state)
+    return state["rng"][f"rank{rank}"] if "rng" in state else None
 
 
 def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None,

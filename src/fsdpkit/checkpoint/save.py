@@ -23,6 +23,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdpkit.checkpoint.errors import CheckpointSaveError
+from fsdpkit.checkpoint.full import write_full
 from fsdpkit.checkpoint.hashing import HashingFileSystem, tensor_hashes
 from fsdpkit.checkpoint.layout import MANIFEST, publish_latest
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
@@ -65,6 +66,7 @@ def save_checkpoint(
     meta: dict[str, Any],
     group: tdist.ProcessGroup | None,
     thread_count: int = 1,
+    state_dict_type: str = "sharded",
 ) -> dict[str, Any]:
     """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest.
 
@@ -82,12 +84,18 @@ def save_checkpoint(
         state = target.tensor_state(rank=rank)
         tensors = tensor_table(state, group=group)
         t_stage = time.perf_counter()
-        fs = HashingFileSystem(die_mid_write=_dies_during_this_save(step, rank))
-        writer = FileSystemWriter(ckpt_dir, sync_files=True, thread_count=thread_count)
-        writer.fs = fs
-        dcp.save(state, storage_writer=writer, process_group=group)
+        extra: dict[str, Any] = {}
+        if state_dict_type == "full":
+            written = write_full(target, ckpt_dir, rank=rank, group=group)
+            files_by_rank = [written.get("files", {})]  # rank 0 wrote every file
+            extra["optimizer_param_groups"] = written.get("optimizer_param_groups")
+        else:
+            fs = HashingFileSystem(die_mid_write=_dies_during_this_save(step, rank))
+            writer = FileSystemWriter(ckpt_dir, sync_files=True, thread_count=thread_count)
+            writer.fs = fs
+            dcp.save(state, storage_writer=writer, process_group=group)
+            files_by_rank = _gather(fs.files, group)
         t_write = time.perf_counter()
-        files_by_rank = _gather(fs.files, group)
         manifest = None
         if rank == 0:
             files = {name: info for rank_files in files_by_rank for name, info in rank_files.items()}
@@ -97,6 +105,7 @@ def save_checkpoint(
                 "step": step,
                 "committed_at": datetime.now(UTC).isoformat(),
                 "world_size": tdist.get_world_size(group) if tdist.is_initialized() else 1,
+                "state_dict_type": state_dict_type,
                 "versions": versions(),
                 **meta,
                 "trainer": target.json_state(),
@@ -104,6 +113,7 @@ def save_checkpoint(
                 "files": dict(sorted(files.items())),
                 "bytes_per_rank": [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank],
                 "timings": {"stage_s": t_stage - t0, "write_s": t_write - t_stage},
+                **extra,
             }
             manifest["timings"]["total_s"] = time.perf_counter() - t0
             write_manifest(ckpt_dir, manifest)

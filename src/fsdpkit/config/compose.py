@@ -102,11 +102,6 @@ def validate(cfg: Config) -> None:
     s, p, m, d, o, t = cfg.strategy, cfg.policy, cfg.model, cfg.data, cfg.optim, cfg.train
     _one_of("strategy.sharding_strategy", s.sharding_strategy, SHARDING_STRATEGIES)
     _one_of("strategy.state_dict_type", s.state_dict_type, STATE_DICT_TYPES)
-    if s.state_dict_type == "full":
-        raise ValueError(
-            "strategy.state_dict_type=full (gathered, rank-0 safetensors checkpoints) is not available in this "
-            "version; use the default `sharded`, which also resumes at any world size"
-        )
     _positive("strategy.hsdp_shard_size", s.hsdp_shard_size, allow_zero=True)
     if isinstance(p.mixed_precision, str):
         _one_of("policy.mixed_precision", p.mixed_precision, MIXED_PRECISION_PRESETS)

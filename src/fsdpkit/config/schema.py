@@ -36,8 +36,9 @@ class StrategyConfig:
     """Keep sharded params, grads and optimizer state in CPU memory (FSDP2 CPUOffloadPolicy; the
     optimizer step runs on CPU). Pinned memory is used only when CUDA is available."""
     state_dict_type: str = "sharded"
-    """How checkpoints store the model: `sharded` (each rank writes its own shard). `full` (gathered
-    to rank 0 as safetensors) is reserved and rejected for now."""
+    """How checkpoints store the state: `sharded` (default: each rank writes its own shards with DCP)
+    or `full` (gathered to rank 0 in CPU memory with full_state_dict + cpu_offload and written as
+    safetensors by rank 0; loaded on rank 0 and broadcast). Either kind resumes at any world size."""
 
 
 @dataclass

@@ -101,7 +101,8 @@ def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, gr
         "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.mesh_dim_names or ())},
         "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
     }
-    trainer.checkpointer = Checkpointer(cfg.checkpoint, target=target, group=group, sharding=sharding, run_meta=run_meta)
+    trainer.checkpointer = Checkpointer(cfg.checkpoint, target=target, group=group, sharding=sharding,
+                                        run_meta=run_meta, state_dict_type=cfg.strategy.state_dict_type)
     return trainer.checkpointer
 
 
