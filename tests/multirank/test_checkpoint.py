@@ -100,3 +100,14 @@ def test_full_state_dict_type_resumes_bitwise_and_elastically(ckpt):
     reference, elastic = by_step(res["full4"]), by_step(res["2to4_full_type"])
     assert sorted(elastic) == list(range(7, 13))
     assert max(abs(v - reference[s]) / reference[s] for s, v in elastic.items()) < FP32_RTOL
+
+
+def test_changed_activation_checkpointing_and_compile_load_with_notes(ckpt):
+    res, _ = ckpt
+    run = res["ac_compile"]
+    assert run["start"] == 6
+    notes = "\n".join(run["notes"])
+    assert "activation_checkpointing changed: checkpoint [], now ['fsdpkit.model.llama.LlamaDecoderLayer']" in notes
+    assert "compiled changed: checkpoint False, now True" in notes
+    reference = by_step(res["fp32_full"])
+    assert max(abs(v - reference[s]) / reference[s] for s, v in by_step(run).items()) < FP32_RTOL
