@@ -82,18 +82,15 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def barrier() -> None:
+    """Wait for every rank; no-op in a world of one."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def all_reduce_sum(values: Sequence[float], *, device: torch.device) -> list[float]:
     """Sum a few float64 scalars over all ranks in one collective; no-op in a world of one."""
     t = torch.tensor(list(values), dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()
-
-
-def broadcast_object(obj: object, *, src: int = 0) -> object:
-    """Rank `src`'s object on every rank."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]

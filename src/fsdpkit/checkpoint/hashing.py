@@ -43,9 +43,11 @@ class _HashingStream(io.RawIOBase):
         return True
 
     def write(self, b) -> int:
-        n = self._raw.write(b)
-        self._hash.update(memoryview(b)[:n] if n is not None else b)
-        self._size += n if n is not None else len(b)
+        data = memoryview(b).cast("B")  # count and hash bytes, whatever the buffer's item format
+        n = self._raw.write(data)
+        n = len(data) if n is None else n
+        self._hash.update(data[:n])
+        self._size += n
         return n
 
     def tell(self) -> int:

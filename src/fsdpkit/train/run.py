@@ -121,7 +121,7 @@ def run(cfg: Config) -> dict[str, Any]:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
             log.info("resolved config (also in %s):\n%s", run_dir / CONFIG_FILE, to_yaml(cfg))
-        dist.broadcast_object(None)  # everyone waits until the run directory exists
+        dist.barrier()  # everyone waits until the run directory exists
         log.info("fsdpkit %s, torch %s, world size %d, device %s", __version__, torch.__version__, dist.world_size(), device)
         group = checkpoint_group(cfg.checkpoint.timeout_s)
         resume_path = Checkpointer.resolve(cfg.checkpoint, group=group)
