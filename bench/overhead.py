@@ -11,8 +11,9 @@ Both sides train the same model on the same samples with the same math, in one p
   periodic evaluation and checkpointing (no checkpointer is attached) and the disabled progress
   bar. Its per-step log lines (log_every=1) go to a file in the run directory.
 
-After a few warm-up steps each, the two alternate in rounds (baseline, fsdpkit, baseline, ...);
-each round times `--steps` optimizer steps between barriers on rank 0. We report the median
+After a few warm-up steps each, the two alternate in rounds; each round times `--steps` optimizer
+steps of each side between barriers on rank 0, the order within a round flipping every round
+(baseline then fsdpkit, then fsdpkit then baseline, ...) so that neither always runs second. We report the median
 tokens/s of each, their ratio and the overhead, (1 - fsdpkit/baseline) * 100 %. The first step
 of each side is also compared (loss and gradient norm must agree) to show that the math is equal.
 
@@ -166,9 +167,9 @@ def worker(args: argparse.Namespace) -> None:
         timed_round(step, WARMUP)
     per_round: dict[str, list[float]] = {name: [] for name in sides}
     load = [os.getloadavg()[0]]
-    for _ in range(args.rounds):
-        for name, step in sides.items():
-            per_round[name].append(args.steps * global_tokens / timed_round(step, args.steps))
+    for r in range(args.rounds):  # A B, B A, A B, ...: neither side always runs second
+        for name in list(sides)[:: 1 if r % 2 == 0 else -1]:
+            per_round[name].append(args.steps * global_tokens / timed_round(sides[name], args.steps))
 
     load.append(os.getloadavg()[0])
     if rank == 0:
