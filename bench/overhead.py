@@ -176,7 +176,7 @@ def worker(args: argparse.Namespace) -> None:
         n_params = sum(p.numel() for p in baseline.model.parameters())
         report(args, check, per_round, global_tokens, n_params, load)
     trainer.metrics.close()
-    built = trainer = baseline = sides = None  # drop model and optimizer references before teardown
+    trainer = baseline = sides = None  # drop model and optimizer references before teardown
     gc.collect()
     tdist.barrier()
     tdist.destroy_process_group()
