@@ -46,15 +46,6 @@ def atomic_write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def read_latest(ckpt_root: Path) -> Path | None:
-    """The directory `latest` names, or None when there is no pointer."""
-    pointer = ckpt_root / LATEST
-    if not pointer.is_file():
-        return None
-    name = pointer.read_text().strip()
-    return ckpt_root / name if name else None
-
-
 def publish_latest(ckpt_dir: Path) -> None:
     atomic_write_text(ckpt_dir.parent / LATEST, ckpt_dir.name + "\n")
 

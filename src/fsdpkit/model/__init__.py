@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -12,21 +14,8 @@ from fsdpkit.model.llama import LlamaArgs, LlamaForCausalLM
 def build_model(cfg: ModelConfig) -> nn.Module:
     """Construct the model on the current default device (callers use the meta device)."""
     if cfg.kind == "llama":
-        return LlamaForCausalLM(
-            LlamaArgs(
-                vocab_size=cfg.vocab_size,
-                hidden_size=cfg.hidden_size,
-                intermediate_size=cfg.intermediate_size,
-                num_hidden_layers=cfg.num_hidden_layers,
-                num_attention_heads=cfg.num_attention_heads,
-                num_key_value_heads=cfg.num_key_value_heads,
-                max_position_embeddings=cfg.max_position_embeddings,
-                rope_theta=cfg.rope_theta,
-                rms_norm_eps=cfg.rms_norm_eps,
-                tie_word_embeddings=cfg.tie_word_embeddings,
-                initializer_range=cfg.initializer_range,
-            )
-        )
+        # Every LlamaArgs field has the same name in ModelConfig.
+        return LlamaForCausalLM(LlamaArgs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(LlamaArgs)}))
     from fsdpkit.model.hf import build_hf_model
 
     return build_hf_model(cfg.hf_config)

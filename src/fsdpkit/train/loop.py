@@ -71,7 +71,7 @@ class Trainer:
             loss = token_loss_sum(self.model, self.train_data.batch(indices).to(self.device))
             (loss / global_tokens).backward()
             loss_sum += loss.detach()
-        grad_norm = clip_grad_norm([p for p in self.model.parameters() if p.grad is not None], self.grad_clip)
+        grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # skips params without grads
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
 from fsdpkit import dist
@@ -22,10 +21,6 @@ def peak_memory_mib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def rss_mib() -> float:
-    return psutil.Process().memory_info().rss / 2**20
 
 
 class MetricsLog:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -47,7 +48,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, max_s
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
     """Clip to the true global L2 norm over every shard of every gradient; returns that norm.
 
     With DTensor gradients `clip_grad_norm_` reduces across the mesh and returns a replicated
