@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -16,6 +15,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from fsdpkit.train.metrics import read_records
 
 DEMO = Path("runs/demo")
 FULL, RESUMED = DEMO / "uninterrupted", DEMO / "resumed"
@@ -28,7 +29,7 @@ def train_cmd(run_dir: Path) -> list[str]:
 
 def metrics(run_dir: Path) -> dict[int, dict]:
     """The last record of each step (a resumed run logs again the steps after its checkpoint)."""
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r for r in read_records(run_dir)}
 
 
 def run_until_killed(run_dir: Path) -> None:

@@ -70,15 +70,17 @@ def init_process_group(*, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) ->
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def shutdown() -> None:
+def shutdown(*, barrier: bool = True) -> None:
     """Tear the process group down in the order that avoids gloo's abort at exit.
 
     Callers drop their model/optimizer references first; collecting, then barrier → destroy
-    removed the `terminate called without an active exception` abort seen at teardown.
+    removed the `terminate called without an active exception` abort seen at teardown. After a
+    failure pass barrier=False: a peer may be dead or blocked in another collective.
     """
     gc.collect()
     if dist.is_initialized():
-        dist.barrier()
+        if barrier:
+            dist.barrier()
         dist.destroy_process_group()
 
 

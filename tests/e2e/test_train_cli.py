@@ -11,12 +11,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import fsdpkit  # noqa: E402
+from fsdpkit.train.metrics import read_records
 
 pytestmark = pytest.mark.e2e
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_records(run_dir)
 
 
 def test_train_nproc_2_writes_run_directory(tmp_path):

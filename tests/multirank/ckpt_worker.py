@@ -23,16 +23,17 @@ import torch.distributed as tdist
 
 from fsdpkit import dist
 from fsdpkit.checkpoint.errors import CheckpointMismatchError
-from fsdpkit.checkpoint.manager import Checkpointer, checkpoint_group
+from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
 from fsdpkit.config import compose_config
 from fsdpkit.train.determinism import enable_determinism
+from fsdpkit.train.metrics import read_records
 from fsdpkit.train.run import attach_checkpointer, build_trainer
 
 STEPS = 12
 BASE = ["deterministic=true", f"train.max_steps={STEPS}", "train.global_batch_size=12", "train.micro_batch_size=1",
         "train.progress=false", "optim.warmup_steps=6", "model.vocab_size=1001", "train.eval_samples=8",
         "checkpoint.save_at_end=false"]
-GROUP = None
+GROUPS: CheckpointGroups | None = None
 
 
 def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, resume: str = "auto",
@@ -42,9 +43,9 @@ def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, 
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
     tdist.barrier()
-    path = Checkpointer.resolve(cfg.checkpoint, group=GROUP)
+    path = Checkpointer.resolve(cfg.checkpoint, group=GROUPS.sync)
     trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=run_dir, init=path is None)
-    ckpt = attach_checkpointer(trainer, cfg, plan, group=GROUP)
+    ckpt = attach_checkpointer(trainer, cfg, plan, groups=GROUPS)
     report = ckpt.resume_from(path) if path is not None else None
     if dump_loaded_to is not None:
         dump_full_state(trainer, dump_loaded_to)
@@ -56,7 +57,7 @@ def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, 
     out = {"resumed_from": str(path) if path else None, "start": start,
            "notes": report["notes"] if report else [], "verify_s": report["verify_s"] if report else None}
     if dist.is_main():
-        recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        recs = read_records(run_dir)
         out["records"] = [r for r in recs if r["step"] > start]
     return out
 
@@ -120,11 +121,11 @@ def elastic_load(work: Path, source: str, tag: str) -> dict:
 
 
 def main() -> None:
-    global GROUP
+    global GROUPS
     phase, out_path, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     enable_determinism()
     dist.init_process_group(backend="gloo")
-    GROUP = checkpoint_group(120)
+    GROUPS = CheckpointGroups.create(compose_config(BASE + ["checkpoint.timeout_s=120"]).checkpoint)
     if phase == "ws2":
         res = phase_ws2(work)
     elif phase == "ws4":

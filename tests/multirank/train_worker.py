@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdpkit import dist  # noqa: E402
 from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.train.determinism import enable_determinism  # noqa: E402
+from fsdpkit.train.metrics import read_records
 from fsdpkit.train.run import build_trainer, local_param_mib  # noqa: E402
 from reference import reference_run  # noqa: E402
 
@@ -36,7 +37,7 @@ def train(name: str, overrides: list[str], runs: Path) -> dict:
     out["local_shapes"] = {k: list(v.to_local().shape) for k, v in trainer.model.state_dict().items()}
     out["full_mib"] = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 2**20
     if dist.is_main():
-        records = [json.loads(line) for line in (runs / name / "metrics.jsonl").read_text().splitlines()]
+        records = read_records(runs / name)
         out["loss"] = [r["loss"] for r in records]
         out["grad_norm"] = [r["grad_norm"] for r in records]
     del trainer

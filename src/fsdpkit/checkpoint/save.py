@@ -9,9 +9,12 @@ instead of hanging it; the previous checkpoint then stays `latest`.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -58,6 +61,24 @@ def _gather(obj: Any, group: tdist.ProcessGroup | None) -> list[Any]:
     return out
 
 
+@dataclass
+class Snapshot:
+    """Everything one checkpoint holds, captured at a step boundary: the DCP state dict (live
+    tensors for a synchronous save, a staged host copy for an async one) and the manifest's
+    JSON parts, copied so that training can run on while the snapshot is written."""
+
+    step: int
+    state: dict[str, Any]
+    trainer: dict[str, Any]
+    meta: dict[str, Any]
+
+
+def capture(target: CheckpointTarget, *, step: int, meta: dict[str, Any], rank: int) -> Snapshot:
+    """The live state of `target` (no tensor copies; see AsyncSaver for a staged one)."""
+    trainer = json.loads(json.dumps(target.json_state()))  # a deep copy, JSON-safe by construction
+    return Snapshot(step=step, state=target.tensor_state(rank=rank), trainer=trainer, meta=meta)
+
+
 def save_checkpoint(
     target: CheckpointTarget,
     *,
@@ -67,35 +88,62 @@ def save_checkpoint(
     group: tdist.ProcessGroup | None,
     thread_count: int = 1,
     state_dict_type: str = "sharded",
+    on_commit: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest.
+    """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest (rank 0) or
+    {"step", "bytes"} (other ranks).
 
     Args:
         meta: manifest fields known to the caller (config, fingerprint, optimizer summary, mesh).
+        on_commit: run on rank 0 right after `latest` moved (retention), before the final barrier.
     Raises:
         CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
     """
+    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    if state_dict_type == "full":
+        return _commit(None, target=target, ckpt_dir=ckpt_dir, step=step, meta=meta, group=group,
+                       thread_count=thread_count, on_commit=on_commit)
+    snapshot = capture(target, step=step, meta=meta, rank=rank)
+    return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit)
+
+
+def write_snapshot(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | None, thread_count: int = 1,
+                   on_commit: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
+    Safe to run on a background thread when `group` is used by nothing else meanwhile."""
+    return _commit(snapshot, target=None, ckpt_dir=ckpt_dir, step=snapshot.step, meta=snapshot.meta, group=group,
+                   thread_count=thread_count, on_commit=on_commit)
+
+
+def _commit(snapshot: Snapshot | None, *, target: CheckpointTarget | None, ckpt_dir: Path, step: int,
+            meta: dict[str, Any], group: tdist.ProcessGroup | None, thread_count: int,
+            on_commit: Callable[[], None] | None) -> dict[str, Any]:
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     t0 = time.perf_counter()
     try:
         if rank == 0 and ckpt_dir.exists():
             shutil.rmtree(ckpt_dir)  # a stale, uncommitted attempt at this step (never a committed one: see caller)
         _barrier(group)
-        state = target.tensor_state(rank=rank)
-        tensors = tensor_table(state, group=group)
-        t_stage = time.perf_counter()
         extra: dict[str, Any] = {}
-        if state_dict_type == "full":
+        if snapshot is None:  # state_dict_type=full: rank 0 gathers and writes safetensors
+            assert target is not None
+            trainer = target.json_state()
+            tensors = tensor_table(target.tensor_state(rank=rank), group=group)
+            t_stage = time.perf_counter()
             written = write_full(target, ckpt_dir, rank=rank, group=group)
             files_by_rank = [written.get("files", {})]  # rank 0 wrote every file
             extra["optimizer_param_groups"] = written.get("optimizer_param_groups")
         else:
+            trainer = snapshot.trainer
+            tensors = tensor_table(snapshot.state, group=group)
+            t_stage = time.perf_counter()
             fs = HashingFileSystem(die_mid_write=_dies_during_this_save(step, rank))
             writer = FileSystemWriter(ckpt_dir, sync_files=True, thread_count=thread_count)
             writer.fs = fs
-            dcp.save(state, storage_writer=writer, process_group=group)
+            dcp.save(snapshot.state, storage_writer=writer, process_group=group)
             files_by_rank = _gather(fs.files, group)
         t_write = time.perf_counter()
+        bytes_per_rank = [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank]
         manifest = None
         if rank == 0:
             files = {name: info for rank_files in files_by_rank for name, info in rank_files.items()}
@@ -105,21 +153,23 @@ def save_checkpoint(
                 "step": step,
                 "committed_at": datetime.now(UTC).isoformat(),
                 "world_size": tdist.get_world_size(group) if tdist.is_initialized() else 1,
-                "state_dict_type": state_dict_type,
+                "state_dict_type": "full" if snapshot is None else "sharded",
                 "versions": versions(),
                 **meta,
-                "trainer": target.json_state(),
+                "trainer": trainer,
                 "tensors": tensors,
                 "files": dict(sorted(files.items())),
-                "bytes_per_rank": [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank],
-                "timings": {"stage_s": t_stage - t0, "write_s": t_write - t_stage},
+                "bytes_per_rank": bytes_per_rank,
+                "timings": {"hash_s": t_stage - t0, "write_s": t_write - t_stage},
                 **extra,
             }
             manifest["timings"]["total_s"] = time.perf_counter() - t0
             write_manifest(ckpt_dir, manifest)
             publish_latest(ckpt_dir)
+            if on_commit is not None:
+                on_commit()
         _barrier(group)
-        return manifest if manifest is not None else {"step": step}
+        return manifest if manifest is not None else {"step": step, "bytes_per_rank": bytes_per_rank}
     except CheckpointException as e:  # a BaseException: wrap so callers' `except Exception` sees it
         raise CheckpointSaveError(f"saving {ckpt_dir} failed on at least one rank; the previous checkpoint stays latest: {e}") from e
     except RuntimeError as e:  # a collective timed out or lost a peer

@@ -5,8 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.train.preemption import EXIT_PREEMPTED
+
+if TYPE_CHECKING:
+    from fsdpkit.config import Config
 
 TRAIN_HELP = """\
 Train with FSDP2. Overrides use Hydra syntax: key=value, +key=value (add), ++key=value (add or
@@ -58,26 +66,50 @@ def _train(args: argparse.Namespace) -> int:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
         check_world_size(cfg, args.nproc, local_world_size=args.nproc)
-        return _launch_local(args)
+        return _launch_local(args, cfg)
     from fsdpkit.train.run import run
 
-    run(cfg)
-    return 0
+    summary = run(cfg)
+    return EXIT_PREEMPTED if summary.get("stopped_by") else 0
 
 
-def _launch_local(args: argparse.Namespace) -> int:
+def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
     """Re-run this command as N local ranks under torch.distributed.run (elastic)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
     child = ["-m", "fsdpkit", "train"] + [f"--config-dir={d}" for d in args.config_dir] + list(args.overrides)
     launcher_args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={args.nproc}", *child])
+    started = datetime.now(UTC)
     try:
         run(launcher_args)
     except ChildFailedError as e:
+        if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
+            return _preempted(cfg, "a preemption signal reached the ranks", since=started)
         print(f"fsdpkit train: {len(e.failures)} rank(s) failed; their tracebacks are above", file=sys.stderr)
         return 1
+    except SignalException as e:  # the launcher itself was signalled; it passed the signal to the ranks
+        return _preempted(cfg, f"the launcher received {e.sigval.name}", since=started, otherwise=128 + e.sigval.value)
     return 0
+
+
+def _preempted(cfg: Config, what: str, *, since: datetime, otherwise: int = 1) -> int:
+    """EXIT_PREEMPTED when the ranks committed a preemption checkpoint after `since`, else `otherwise`."""
+    from fsdpkit.checkpoint.layout import LATEST
+    from fsdpkit.checkpoint.manifest import read_manifest
+
+    root = Path(cfg.checkpoint.dir)
+    try:
+        manifest = read_manifest(root / (root / LATEST).read_text().strip())
+    except (OSError, CheckpointError):
+        manifest = {}
+    if manifest.get("reason") == "preempted" and datetime.fromisoformat(manifest["committed_at"]) >= since:
+        print(f"fsdpkit train: {what}; every rank saved step {manifest['step']} and stopped. Run the same "
+              f"command to resume (exit {EXIT_PREEMPTED})", file=sys.stderr)
+        return EXIT_PREEMPTED
+    print(f"fsdpkit train: {what}; no preemption checkpoint was committed", file=sys.stderr)
+    return otherwise
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -111,6 +143,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"fsdpkit {args.command}: error: {e}", file=sys.stderr)
         code = 2
+    except Exception:
+        if not under_launcher:
+            raise
+        # The original traceback, then a hard exit: a normal interpreter exit would join a
+        # background checkpoint thread that may wait on a dead peer until its timeout.
+        traceback.print_exc()
+        code = 1
     if under_launcher:
         # A launched rank exits hard once its process group is torn down: gloo can abort in
         # static destructors at interpreter exit otherwise.

@@ -8,13 +8,13 @@ same world size in deterministic mode, else 1e-6 relative in fp32 and 5e-4 in bf
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from fsdpkit.config import compose_config
+from fsdpkit.train.metrics import read_records
 
 ELASTIC_RTOL = {"fp32": 1e-6}
 ELASTIC_RTOL_LOW_PRECISION = 5e-4
@@ -29,7 +29,7 @@ def _train(nproc: int, overrides: list[str], run_dir: Path, config_dirs: list[st
 
 
 def _by_step(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    return {r["step"]: r for r in read_records(run_dir)}
 
 
 def tolerance(overrides: list[str], *, same_world_size: bool, config_dirs: list[str]) -> float:

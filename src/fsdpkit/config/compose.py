@@ -11,13 +11,14 @@ override grammar applies: `key=value`, `+key=value` (add), `++key=value` (add or
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from fsdpkit.config.schema import (
@@ -30,12 +31,14 @@ from fsdpkit.config.schema import (
 CONF_DIR = Path(__file__).parent / "conf"
 PRIMARY = "config"
 SCHEMA_NODE = "fsdpkit_schema"  # conf/config.yaml's first default: every key exists, typed
+ASYNC_ALIAS = "async"
 
 
 def _register_schema() -> None:
     # A plain (untyped) dict of the defaults: Hydra can then delete keys (`~key`), which it
     # refuses on typed nodes; types are enforced right after composing, by to_typed().
     defaults = OmegaConf.to_container(OmegaConf.structured(Config), resolve=False)
+    defaults["checkpoint"][ASYNC_ALIAS] = None  # `checkpoint.async`: see to_typed
     ConfigStore.instance().store(name=SCHEMA_NODE, node=defaults)
 
 
@@ -72,6 +75,14 @@ def compose_raw(overrides: Sequence[str] = (), *, config_dirs: Sequence[str] = (
 def to_typed(raw: DictConfig) -> Config:
     """Merge composed values onto the schema; reject unknown keys and wrong types."""
     schema = OmegaConf.structured(Config)
+    checkpoint = raw.get("checkpoint")
+    if checkpoint is not None and ASYNC_ALIAS in checkpoint:
+        # `async` is a Python keyword, so the field is async_save; the issue-tracker spelling
+        # `checkpoint.async` is accepted for it.
+        with open_dict(checkpoint):
+            alias = checkpoint.pop(ASYNC_ALIAS)
+            if alias is not None:
+                checkpoint.async_save = alias
     try:
         merged = OmegaConf.merge(schema, raw)
         OmegaConf.resolve(merged)
@@ -150,6 +161,18 @@ def validate(cfg: Config) -> None:
     _positive("checkpoint.every_steps", ck.every_steps, allow_zero=True)
     _positive("checkpoint.timeout_s", ck.timeout_s)
     _positive("checkpoint.thread_count", ck.thread_count)
+    _positive("checkpoint.every_minutes", ck.every_minutes, allow_zero=True)
+    _positive("checkpoint.exception_timeout_s", ck.exception_timeout_s)
+    for key in ("keep_last", "keep_every", "keep_best"):
+        _positive(f"checkpoint.{key}", getattr(ck, key), allow_zero=True)
+    _one_of("checkpoint.keep_best_mode", ck.keep_best_mode, ("min", "max"))
+    for name in ck.preemption_signals:
+        if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
+            raise ValueError(f"config key 'checkpoint.preemption_signals' names an unknown signal {name!r}; "
+                             "use names such as SIGTERM or SIGUSR1")
+    if ck.async_save and s.state_dict_type != "sharded":
+        raise ValueError("checkpoint.async_save needs strategy.state_dict_type=sharded (a full state dict is "
+                         "gathered with collectives on the training ranks, which cannot run in the background)")
     _one_of("device", cfg.device, ("auto", "cpu", "cuda"))
     _one_of("backend", cfg.backend, ("auto", "gloo", "nccl"))
 

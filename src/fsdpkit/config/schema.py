@@ -173,7 +173,10 @@ class CheckpointConfig:
     dir: str = "${run_dir}/checkpoints"
     """Root of this run's checkpoints: step_<N>/ directories and the `latest` pointer."""
     every_steps: int = 0
-    """Save every this many optimizer steps (0: only at the end, if save_at_end)."""
+    """Save every this many optimizer steps (0: not by step count)."""
+    every_minutes: float = 0.0
+    """Also save when this many minutes passed since the last save started (0: not by time). All
+    ranks agree on the step, so clocks that differ between nodes are harmless."""
     save_at_end: bool = True
     """Save when training reaches train.max_steps."""
     resume: str = "auto"
@@ -192,6 +195,35 @@ class CheckpointConfig:
     all ranks after this long instead of hanging them."""
     thread_count: int = 1
     """Writer threads per rank (DCP FileSystemWriter)."""
+    async_save: bool = False
+    """Save in the background (`checkpoint.async` is accepted as an alias): the step blocks only
+    while the state is copied into a reused host buffer (pinned on CUDA); writing, checksums and the
+    commit follow on a background thread, and `latest` moves once every rank committed. At most one
+    save is in flight; a failed background save stops training at the next step on every rank.
+    Needs strategy.state_dict_type=sharded."""
+    keep_last: int = 0
+    """Retention: keep the newest this many checkpoints. Retention is on when any keep_* is > 0;
+    a checkpoint survives when any rule keeps it. The newest committed checkpoint, checkpoints
+    being written and on_exception are never deleted, and deletion happens only after a newer
+    checkpoint committed. All zero: keep everything."""
+    keep_every: int = 0
+    """Retention: also keep every checkpoint whose step is a multiple of this."""
+    keep_best: int = 0
+    """Retention: also keep the best this many checkpoints by keep_best_metric (checkpoints saved
+    at a step without that metric do not compete)."""
+    keep_best_metric: str = "val_loss"
+    """The metric keep_best ranks by, as logged at the save step (val_loss, loss, ...)."""
+    keep_best_mode: str = "min"
+    """`min` or `max`: whether a smaller or a larger keep_best_metric is better."""
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    """Signals that mean "about to be killed": every rank saves at the next step boundary, commits
+    and exits with code 75 (resume with the same command). A second signal exits at once. []: off."""
+    on_exception: bool = True
+    """When the loop raises, save to on_exception/ if every rank can still take part (agreed within
+    exception_timeout_s on a separate gloo group) and the state is at a step boundary; then
+    re-raise the original error."""
+    exception_timeout_s: float = 60.0
+    """How long ranks wait for each other to agree on an on_exception save before giving up."""
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -20,7 +21,18 @@ from fsdpkit.data.datasets import Dataset
 from fsdpkit.model import logits as model_logits
 from fsdpkit.train.metrics import MetricsLog, Progress, peak_memory_mib
 from fsdpkit.train.optim import clip_grad_norm
+from fsdpkit.train.preemption import PreemptionHandler
 from fsdpkit.train.state import TrainState
+
+# Test hook: "<step>:<rank>" (or "<step>:*" for every rank) raises in that step, before its
+# optimizer update, as a bug or a bad batch would.
+RAISE_AT_ENV = "FSDPKIT_TEST_RAISE_AT"
+
+
+def _raise_if_injected(step: int, rank: int) -> None:
+    spec = os.environ.get(RAISE_AT_ENV)
+    if spec and spec in (f"{step}:{rank}", f"{step}:*"):
+        raise RuntimeError(f"injected failure at step {step} on rank {rank} ({RAISE_AT_ENV})")
 
 
 def token_loss_sum(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
@@ -50,6 +62,14 @@ class Trainer:
     progress: bool
     logger: logging.Logger
     checkpointer: Checkpointer | None = None
+    preemption: PreemptionHandler | None = None
+    stopped_by: str | None = None
+    """Why fit stopped before max_steps or stop_at: a preemption signal's name."""
+
+    def __post_init__(self) -> None:
+        self._agreed: list[float] = []  # this step's summed boundary flags (see _local_flags)
+        self._cursor_before: dict[str, Any] | None = None  # data cursor at the start of a step in progress
+        self._updating = False  # inside the optimizer update: the state is no step boundary
 
     def stateful(self) -> dict[str, Any]:
         """The small Stateful pieces that must survive a restart, by name (model, optimizer and
@@ -60,6 +80,7 @@ class Trainer:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
         rank, ws = dist.rank(), dist.world_size()
+        self._cursor_before = self.sampler.state_dict()
         global_batch = self.sampler.next_global_batch()
         micro = rank_micro_batches(global_batch, rank=rank, world_size=ws, micro_batch_size=self.micro_batch_size)
         global_tokens = len(global_batch) * self.train_data.seq_len  # every sample has seq_len targets
@@ -71,13 +92,18 @@ class Trainer:
             loss = token_loss_sum(self.model, self.train_data.batch(indices).to(self.device))
             (loss / global_tokens).backward()
             loss_sum += loss.detach()
+        _raise_if_injected(self.state.step + 1, rank)
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # skips params without grads
+        self._updating = True
         self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        (total,) = dist.all_reduce_sum([float(loss_sum)], device=self.device)
         self.state.step += 1
         self.state.tokens_seen += global_tokens
+        self._updating, self._cursor_before = False, None  # a step boundary again
+        self.optimizer.zero_grad(set_to_none=True)
+        # One all-reduce per step carries the loss and the flags every rank must agree on
+        # (preemption, checkpoint cadence by time, a failed background save).
+        total, *self._agreed = dist.all_reduce_sum([float(loss_sum), *self._local_flags()], device=self.device)
         dt = time.perf_counter() - t0
         return {
             "step": self.state.step,
@@ -89,6 +115,21 @@ class Trainer:
             "tokens_seen": self.state.tokens_seen,
             "peak_mem_mib": peak_memory_mib(self.device),
         }
+
+    def _local_flags(self) -> list[float]:
+        preempted = self.preemption is not None and self.preemption.received is not None
+        return [float(preempted), *(self.checkpointer.local_flags() if self.checkpointer else [])]
+
+    def boundary_step(self) -> int | None:
+        """After a failure: the step whose state the live objects hold, or None when the failure hit
+        the optimizer update (model and optimizer half-updated). A step that failed before its
+        update gives its batch back to the data cursor."""
+        if self._updating:
+            return None
+        if self._cursor_before is not None:
+            self.sampler.load_state_dict(self._cursor_before)
+            self._cursor_before = None
+        return self.state.step
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -122,18 +163,35 @@ class Trainer:
         try:
             while self.state.step < end:
                 record = self.train_step()
+                preempted, *checkpoint_flags = self._agreed
                 last = self.state.step == self.max_steps  # not at stop_at: an interruption is not the end
                 if last or (self.eval_every and self.state.step % self.eval_every == 0):
                     val_loss = record["val_loss"] = self.evaluate()
                     self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)
-                if self.checkpointer is not None:
-                    self.checkpointer.after_step(self.state.step, last=last)
                 self.metrics.step(record, quiet=progress.active)
+                if self.checkpointer is not None:
+                    self.checkpointer.after_step(self.state.step, last=last, metrics=record, agreed=checkpoint_flags,
+                                                 preempted=bool(preempted))
                 progress.update(self.state.step, f"loss {record['loss']:.4f}")
                 records.append(record)
+                if preempted:
+                    got = self.preemption.received if self.preemption is not None else None
+                    self.stopped_by = got.name if got is not None else "a preemption signal on another rank"
+                    self.logger.warning("stopped at step %d after %s; the checkpoint is committed", self.state.step,
+                                        self.stopped_by)
+                    break
+            if self.checkpointer is not None:
+                self.checkpointer.finish()
+        except Exception as e:
+            if self.checkpointer is not None:
+                self.checkpointer.on_exception(e, boundary_step=self.boundary_step())
+            raise
         finally:
             progress.close()
-        return summarize(records, val_loss=val_loss, wall_s=time.perf_counter() - wall0)
+        summary = summarize(records, val_loss=val_loss, wall_s=time.perf_counter() - wall0)
+        if self.stopped_by:
+            summary["stopped_by"] = self.stopped_by
+        return summary
 
 
 def summarize(records: list[dict[str, float]], *, val_loss: float | None, wall_s: float) -> dict[str, Any]:

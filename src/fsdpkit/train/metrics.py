@@ -23,8 +23,15 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def read_records(run_dir: Path, *, events: bool = False) -> list[dict[str, Any]]:
+    """metrics.jsonl in file order: the step records, or (events=True) the event records
+    (checkpoint saves, resumes), which carry an "event" key."""
+    records = [json.loads(line) for line in (run_dir / METRICS_FILE).read_text().splitlines() if line.strip()]
+    return [r for r in records if ("event" in r) == events]
+
+
 class MetricsLog:
-    """Appends one JSON object per event to metrics.jsonl (rank 0 only) and logs a summary line."""
+    """Appends one JSON object per step or event to metrics.jsonl (rank 0 only) and logs a summary line."""
 
     def __init__(self, run_dir: Path, *, logger: logging.Logger, log_every: int):
         self.path = run_dir / METRICS_FILE

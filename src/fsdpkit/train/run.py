@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from fsdpkit import __version__, dist
-from fsdpkit.checkpoint.manager import Checkpointer, checkpoint_group
+from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets
@@ -23,6 +23,7 @@ from fsdpkit.train.determinism import enable_determinism, seed_everything
 from fsdpkit.train.loop import Trainer
 from fsdpkit.train.metrics import METRICS_FILE, MetricsLog
 from fsdpkit.train.optim import build_optimizer, build_scheduler
+from fsdpkit.train.preemption import PreemptionHandler
 from fsdpkit.train.state import TrainState
 
 CONFIG_FILE = "config.yaml"
@@ -87,7 +88,7 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     return trainer, plan
 
 
-def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, group: Any) -> Checkpointer:
+def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups) -> Checkpointer:
     """Give the trainer a Checkpointer over its model, optimizer and Stateful pieces."""
     target = CheckpointTarget(model=trainer.model, optimizer=trainer.optimizer, stateful=trainer.stateful())
     sharding = {
@@ -101,8 +102,9 @@ def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, gr
         "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.mesh_dim_names or ())},
         "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
     }
-    trainer.checkpointer = Checkpointer(cfg.checkpoint, target=target, group=group, sharding=sharding,
-                                        run_meta=run_meta, state_dict_type=cfg.strategy.state_dict_type)
+    trainer.checkpointer = Checkpointer(cfg.checkpoint, target=target, groups=groups, sharding=sharding,
+                                        run_meta=run_meta, state_dict_type=cfg.strategy.state_dict_type,
+                                        on_event=trainer.metrics.write)
     return trainer.checkpointer
 
 
@@ -113,7 +115,7 @@ def run(cfg: Config) -> dict[str, Any]:
         enable_determinism()
     dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type))
     setup_logging(cfg.log_level)
-    trainer = None
+    trainer, failed = None, True
     try:
         seed_everything(cfg.seed, rank=dist.rank())
         run_dir = Path(cfg.run_dir)
@@ -123,20 +125,23 @@ def run(cfg: Config) -> dict[str, Any]:
             log.info("resolved config (also in %s):\n%s", run_dir / CONFIG_FILE, to_yaml(cfg))
         dist.barrier()  # everyone waits until the run directory exists
         log.info("fsdpkit %s, torch %s, world size %d, device %s", __version__, torch.__version__, dist.world_size(), device)
-        group = checkpoint_group(cfg.checkpoint.timeout_s)
-        resume_path = Checkpointer.resolve(cfg.checkpoint, group=group)
+        groups = CheckpointGroups.create(cfg.checkpoint)
+        resume_path = Checkpointer.resolve(cfg.checkpoint, group=groups.sync)
         trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=resume_path is None)
-        checkpointer = attach_checkpointer(trainer, cfg, plan, group=group)
+        checkpointer = attach_checkpointer(trainer, cfg, plan, groups=groups)
         if resume_path is not None:
             checkpointer.resume_from(resume_path)
-        summary = trainer.fit(stop_at=cfg.train.stop_at or None)
+        with PreemptionHandler(cfg.checkpoint.preemption_signals) as trainer.preemption:
+            summary = trainer.fit(stop_at=cfg.train.stop_at or None)
         trainer.metrics.close()
         trainer = None  # drop model and optimizer before teardown (see dist.shutdown)
         if dist.is_main():
             (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
             log.info("done: %s", json.dumps(summary))
             log.info("run directory: %s (metrics: %s)", run_dir.resolve(), (run_dir / METRICS_FILE).resolve())
+        failed = False
         return summary
     finally:
         trainer = None
-        dist.shutdown()
+        # After a failure another rank may be dead or stuck in a collective: no barrier then.
+        dist.shutdown(barrier=not failed)

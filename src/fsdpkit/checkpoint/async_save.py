@@ -1,0 +1,153 @@
+"""Asynchronous save: the step blocks only while the state is copied into a host buffer; writing,
+checksumming and the commit run on a background thread.
+
+The staging buffer has the state dict's structure (DTensors keep their placements around CPU
+local tensors, pinned on CUDA) and is allocated once, then reused by every save whose state has
+the same keys, shapes and dtypes; it is rebuilt only when that changes (e.g. the optimizer state
+appears after the first step). At most one save is in flight, so the buffer is never written while
+a save still reads it: a new save first waits for the previous one.
+
+The background thread's collectives run on their own gloo group, which nothing else uses while a
+save is in flight; DCP's planning, the tensor checksums, the file-list gather and the commit
+barrier all go through it (sharing the training group from two threads mismatches collectives).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+from torch.distributed._state_dict_utils import (
+    _check_state_dict_similarity,
+    _copy_state_dict,
+    _create_cpu_state_dict,
+)
+
+from fsdpkit.checkpoint.save import Snapshot, capture, write_snapshot
+from fsdpkit.checkpoint.state import CheckpointTarget
+
+log = logging.getLogger("fsdpkit.checkpoint")
+# Test hook: seconds the background thread sleeps before writing, so that tests can train on
+# while a save is provably still in flight.
+SLOW_WRITE_ENV = "FSDPKIT_TEST_SLOW_WRITE_S"
+
+
+@dataclass
+class SaveResult:
+    """What one save did, on this rank."""
+
+    step: int
+    path: Path
+    mode: str  # "sync" | "async"
+    reason: str = "manual"  # every_steps, every_minutes, end, preempted, ...
+    stall_s: float = 0.0  # the training loop was blocked this long
+    wait_s: float = 0.0  # of which: waiting for the previous save to finish
+    background_s: float = 0.0  # writing, checksums and commit after the loop went on
+    manifest: dict[str, Any] = field(default_factory=dict)
+    error: BaseException | None = None
+
+    @property
+    def bytes_per_rank(self) -> list[int]:
+        return self.manifest.get("bytes_per_rank", [])
+
+
+class AsyncSaver:
+    """Stages state into a reused host buffer and writes it on one background thread."""
+
+    def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1):
+        self.group, self.thread_count = group, thread_count
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
+        self._buffer: dict[str, Any] | None = None
+        self._pending: tuple[SaveResult, Future] | None = None
+
+    @property
+    def in_flight(self) -> SaveResult | None:
+        return self._pending[0] if self._pending is not None else None
+
+    def done(self) -> bool:
+        """True when no save is in flight or the one in flight has finished (ok or not)."""
+        return self._pending is None or self._pending[1].done()
+
+    def failed(self) -> bool:
+        """True when the save in flight has finished with an error (not yet collected)."""
+        return self._pending is not None and self._pending[1].done() and self._pending[1].exception() is not None
+
+    def save(self, target: CheckpointTarget, *, ckpt_dir: Path, step: int, meta: dict[str, Any],
+             on_commit=None) -> tuple[SaveResult | None, SaveResult]:
+        """Wait for the save in flight (if any), stage `target`, and start writing it.
+
+        Returns: (the previous save's result, if one had to be waited for; the new, running save).
+        Raises: CheckpointSaveError if the previous save failed (nothing new is started then).
+        """
+        t0 = time.perf_counter()
+        previous = None
+        if self._pending is not None:
+            if not self._pending[1].done():
+                log.info("checkpoint: step %d waits for the save of step %d, still being written", step,
+                         self._pending[0].step)
+            previous = self.wait()
+        t_waited = time.perf_counter()
+        rank = tdist.get_rank(self.group) if tdist.is_initialized() else 0
+        live = capture(target, step=step, meta=meta, rank=rank)
+        staged = Snapshot(step=step, state=self._stage(live.state), trainer=live.trainer, meta=meta)
+        result = SaveResult(step=step, path=ckpt_dir, mode="async", wait_s=t_waited - t0)
+        result.stall_s = time.perf_counter() - t0
+
+        def write() -> dict[str, Any]:
+            t_bg = time.perf_counter()
+            time.sleep(float(os.environ.get(SLOW_WRITE_ENV, 0)))
+            manifest = write_snapshot(staged, ckpt_dir=ckpt_dir, group=self.group, thread_count=self.thread_count,
+                                      on_commit=on_commit)
+            result.background_s = time.perf_counter() - t_bg
+            return manifest
+
+        self._pending = (result, self._executor.submit(write))
+        return previous, result
+
+    def wait(self) -> SaveResult | None:
+        """Block until the save in flight is committed; returns its result (None if there was none).
+
+        Raises: CheckpointSaveError (or what the write raised) if it failed on any rank.
+        """
+        if self._pending is None:
+            return None
+        result, future = self._pending
+        self._pending = None
+        result.manifest = future.result()  # re-raises the background error here, on the caller's thread
+        return result
+
+    def collect_if_ok(self) -> SaveResult | None:
+        """The finished save's result if it succeeded; None while it runs, or if it failed (a
+        failure is raised by `wait`, once every rank agreed to look at it)."""
+        if self._pending is None or not self._pending[1].done() or self._pending[1].exception() is not None:
+            return None
+        return self.wait()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    @torch.no_grad()
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self._buffer is None or not _check_state_dict_similarity(state, self._buffer):
+            pin = torch.cuda.is_available() and any(_on_cuda(state))
+            log.info("checkpoint: allocating the %sstaging buffer", "pinned " if pin else "")
+            self._buffer = _create_cpu_state_dict(state, pin_memory=pin)
+        staged = _copy_state_dict(state, self._buffer, non_blocking=torch.cuda.is_available())
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before the write starts
+        return staged
+
+
+def _on_cuda(state: Any):
+    if isinstance(state, dict):
+        for v in state.values():
+            yield from _on_cuda(v)
+    elif isinstance(state, torch.Tensor):
+        yield state.device.type == "cuda"

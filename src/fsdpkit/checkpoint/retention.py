@@ -1,0 +1,92 @@
+"""Which committed checkpoints to keep: the newest `keep_last`, every `keep_every`-th step, and
+the `keep_best` by a logged metric. Runs on rank 0 right after a commit, so a checkpoint is only
+ever deleted once a newer one is committed. Never deleted: the newest committed checkpoint, any
+directory without a manifest (one being written, or debris for a person to look at), and
+`on_exception`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from fsdpkit.checkpoint.errors import CheckpointCorruptError
+from fsdpkit.checkpoint.layout import MANIFEST, STEP_DIR, candidate_dirs
+from fsdpkit.checkpoint.manifest import read_manifest
+
+log = logging.getLogger("fsdpkit.checkpoint")
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    keep_last: int = 0  # 0: keep every checkpoint (the policy is off)
+    keep_every: int = 0
+    keep_best: int = 0
+    metric: str = "val_loss"
+    mode: str = "min"
+
+    @property
+    def active(self) -> bool:
+        return self.keep_last > 0 or self.keep_best > 0 or self.keep_every > 0
+
+
+@dataclass(frozen=True)
+class Committed:
+    path: Path
+    step: int
+    metric: float | None
+
+
+def committed_steps(ckpt_root: Path, *, metric: str) -> list[Committed]:
+    """Committed step_<N> checkpoints, oldest first, with their `metric` value (None if unlogged)."""
+    found = []
+    for path in candidate_dirs(ckpt_root):
+        if not STEP_DIR.match(path.name):
+            continue
+        try:
+            manifest = read_manifest(path)
+        except (FileNotFoundError, CheckpointCorruptError):
+            continue  # not committed: never touched here
+        value = manifest.get("metrics", {}).get(metric)
+        found.append(Committed(path, manifest["step"], None if value is None or math.isnan(value) else float(value)))
+    return sorted(found, key=lambda c: c.step)
+
+
+def to_keep(checkpoints: list[Committed], policy: RetentionPolicy) -> set[int]:
+    """Steps the policy keeps among `checkpoints` (oldest first). Pure: tested on its own."""
+    if not checkpoints:
+        return set()
+    keep = {checkpoints[-1].step}  # the newest committed, always
+    if policy.keep_last:
+        keep |= {c.step for c in checkpoints[-policy.keep_last:]}
+    if policy.keep_every:
+        keep |= {c.step for c in checkpoints if c.step % policy.keep_every == 0}
+    if policy.keep_best:
+        scored = [c for c in checkpoints if c.metric is not None]
+        scored.sort(key=lambda c: (c.metric if policy.mode == "min" else -c.metric, -c.step))
+        keep |= {c.step for c in scored[: policy.keep_best]}
+    return keep
+
+
+def apply_retention(ckpt_root: Path, policy: RetentionPolicy) -> list[Path]:
+    """Delete the committed checkpoints the policy does not keep; returns what was deleted."""
+    if not policy.active:
+        return []
+    checkpoints = committed_steps(ckpt_root, metric=policy.metric)
+    keep = to_keep(checkpoints, policy)
+    deleted = []
+    for c in checkpoints:
+        if c.step in keep:
+            continue
+        # The manifest goes first: from then on the directory is no checkpoint, even if the
+        # removal of the rest is interrupted.
+        (c.path / MANIFEST).unlink(missing_ok=True)
+        shutil.rmtree(c.path, ignore_errors=True)
+        deleted.append(c.path)
+    if deleted:
+        log.info("retention: deleted %s (keeping %s)", ", ".join(p.name for p in deleted),
+                 ", ".join(f"step_{s}" for s in sorted(keep)))
+    return deleted

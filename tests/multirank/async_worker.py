@@ -1,0 +1,97 @@
+"""Async save, on_exception and time cadence on 2 gloo ranks. Usage: async_worker.py OUT.json WORK_DIR
+
+- reference: the uninterrupted run, saving synchronously every 3 steps;
+- async: the same run driven by hand: save step 3 in the background (its write held back by a test
+  hook), train two more steps while it is in flight, then commit; its checkpoint must equal the
+  synchronous one, and resuming from it must reproduce the reference losses;
+- exception: every rank raises in step 5 (before its update): on_exception holds step 4, and the
+  auto-resume from it reproduces the reference;
+- minutes: saves by wall-clock cadence, in the background, with retention: ranks must agree.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import ckpt_worker
+import torch
+import torch.distributed as tdist
+from ckpt_worker import BASE, session
+
+from fsdpkit import dist
+from fsdpkit.checkpoint.async_save import SLOW_WRITE_ENV
+from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION
+from fsdpkit.checkpoint.manager import CheckpointGroups
+from fsdpkit.config import compose_config
+from fsdpkit.train.determinism import enable_determinism
+from fsdpkit.train.loop import RAISE_AT_ENV
+from fsdpkit.train.metrics import read_records
+from fsdpkit.train.run import attach_checkpointer, build_trainer
+
+
+def manifest(path: Path) -> dict:
+    return json.loads((path / MANIFEST).read_text())
+
+
+def async_by_hand(work: Path) -> dict:
+    run = work / "async"
+    cfg = compose_config(BASE + [f"run_dir={run}", "checkpoint.async=true", "checkpoint.resume=none"])
+    if dist.is_main():
+        run.mkdir(parents=True)
+    tdist.barrier()
+    trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=run)
+    ckpt = attach_checkpointer(trainer, cfg, plan, groups=ckpt_worker.GROUPS)
+    for _ in range(3):
+        trainer.train_step()
+    os.environ[SLOW_WRITE_ENV] = "1.5"
+    ckpt.save(3, reason="test")
+    stall_s = ckpt._async.in_flight.stall_s
+    for _ in range(2):
+        trainer.train_step()  # the parameters and optimizer state move on while step_3 is written
+    in_flight_after_two_steps = not ckpt._async.done()
+    del os.environ[SLOW_WRITE_ENV]
+    ckpt.finish()
+    trainer.metrics.close()
+    return {"in_flight_after_two_steps": in_flight_after_two_steps, "stall_s": stall_s,
+            "events": read_records(run, events=True) if dist.is_main() else []}
+
+
+def main() -> None:
+    out_path, work = Path(sys.argv[1]), Path(sys.argv[2])
+    enable_determinism()
+    dist.init_process_group(backend="gloo")
+    ckpt_worker.GROUPS = CheckpointGroups.create(
+        compose_config(BASE + ["checkpoint.async=true", "checkpoint.timeout_s=120"]).checkpoint)
+    res: dict = {"reference": session(work / "reference", ["checkpoint.every_steps=3"])}
+    res["async"] = async_by_hand(work)
+    res["from_async"] = session(work / "from_async", [], resume=str(work / "async" / "checkpoints" / "step_3"))
+
+    os.environ[RAISE_AT_ENV] = "5:*"
+    try:
+        session(work / "exception", ["checkpoint.every_steps=3"])
+        res["exception_raised"] = None
+    except RuntimeError as e:
+        res["exception_raised"] = str(e)
+    del os.environ[RAISE_AT_ENV]
+    res["after_exception"] = session(work / "exception", ["checkpoint.every_steps=3"])
+
+    res["minutes"] = session(work / "minutes", ["checkpoint.async=true", "checkpoint.every_minutes=0.002",
+                                                "checkpoint.keep_last=2"])
+    if dist.is_main():
+        ck = work / "exception" / "checkpoints"
+        res["on_exception_manifest"] = {k: manifest(ck / ON_EXCEPTION)[k] for k in ("step", "reason", "exception")}
+        res["manifests"] = {name: {k: manifest(work / name / "checkpoints" / "step_3")[k] for k in ("tensors", "trainer")}
+                            for name in ("reference", "async")}
+        res["minutes_dirs"] = sorted(p.name for p in (work / "minutes" / "checkpoints").iterdir())
+        res["minutes_saves"] = [(e["step"], e["reason"]) for e in read_records(work / "minutes", events=True)
+                                if e["event"] == "checkpoint"]
+        out_path.write_text(json.dumps(res))
+    dist.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
