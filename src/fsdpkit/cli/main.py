@@ -80,7 +80,11 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
     from torch.distributed.run import get_args_parser, run
 
     child = ["-m", "fsdpkit", "train"] + [f"--config-dir={d}" for d in args.config_dir] + list(args.overrides)
-    launcher_args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={args.nproc}", *child])
+    # The launcher forwards these to every rank (SIGUSR1 too: SLURM's --signal often sends it).
+    preemption = [n if n.startswith("SIG") else f"SIG{n}" for n in cfg.checkpoint.preemption_signals]
+    forwarded = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *preemption]))
+    launcher_args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={args.nproc}",
+                                                  f"--signals-to-handle={forwarded}", *child])
     started = datetime.now(UTC)
     try:
         run(launcher_args)
