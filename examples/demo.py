@@ -70,7 +70,13 @@ def main() -> int:
     print(f"demo: losses and grad norms of the {len(after)} steps after the resume are "
           + ("bit-identical to the uninterrupted run" if identical else "DIFFERENT from the uninterrupted run"))
     print(f"demo: run directories {FULL.resolve()} and {RESUMED.resolve()} "
-          "(config.yaml, metrics.jsonl, summary.json, checkpoints/)")
+          "(config.yaml, metrics.jsonl, summary.json, diagnostics.json, checkpoints/)")
+    picture = DEMO / "loss.png"
+    cmd = ["fsdpkit", "plot", str(FULL), str(RESUMED), "--labels", "uninterrupted,resumed", "-o", str(picture)]
+    print(f"\n$ {' '.join(cmd)}", flush=True)
+    if subprocess.call([sys.executable, "-m", *cmd]) != 0:
+        return 1
+    print(f"demo: the picture {picture.resolve()} shows the resumed curves on the uninterrupted ones")
     return 0 if identical else 1
 
 

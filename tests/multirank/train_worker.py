@@ -17,7 +17,7 @@ from fsdpkit import dist  # noqa: E402
 from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.train.determinism import enable_determinism  # noqa: E402
 from fsdpkit.train.metrics import read_records
-from fsdpkit.train.run import build_trainer, local_param_mib  # noqa: E402
+from fsdpkit.train.run import build_trainer  # noqa: E402
 from reference import reference_run  # noqa: E402
 
 BASE = ["deterministic=true", "train.max_steps=10", "train.global_batch_size=16", "train.micro_batch_size=2",
@@ -33,7 +33,7 @@ def train(name: str, overrides: list[str], runs: Path) -> dict:
     trainer, _ = build_trainer(cfg, device=torch.device("cpu"), run_dir=runs / name)
     summary = trainer.fit()
     trainer.metrics.close()
-    out = {"val_loss": summary["val_loss"], "local_mib": local_param_mib(trainer.model)}
+    out = {"val_loss": summary["val_loss"], "local_mib": trainer.diagnostics.report["local_param_mib"]}
     out["local_shapes"] = {k: list(v.to_local().shape) for k, v in trainer.model.state_dict().items()}
     out["full_mib"] = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 2**20
     if dist.is_main():

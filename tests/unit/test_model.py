@@ -48,6 +48,8 @@ def _imports(path: Path) -> set[str]:
         ("parallel", ("fsdpkit.train", "fsdpkit.checkpoint", "fsdpkit.cli")),
         ("config", ("fsdpkit.model", "fsdpkit.parallel", "fsdpkit.train", "fsdpkit.cli", "fsdpkit.data")),
         ("train", ("fsdpkit.cli",)),
+        ("checkpoint", ("fsdpkit.train", "fsdpkit.cli", "fsdpkit.diagnostics")),
+        ("diagnostics", ("fsdpkit.train", "fsdpkit.cli", "fsdpkit.checkpoint", "fsdpkit.parallel")),
     ],
 )
 def test_imports_point_one_way(package, forbidden):

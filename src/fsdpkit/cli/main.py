@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.cli import plot as plot_cli
 from fsdpkit.train.preemption import EXIT_PREEMPTED
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--config-dir", action="append", default=[], metavar="DIR")
     c.add_argument("--markdown", action="store_true", help="docs: print a markdown table (what the README holds)")
     c.add_argument("overrides", nargs="*", help="Hydra overrides (for show)")
+    plot_cli.add_parser(sub)
     return p
 
 
@@ -143,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
     try:
-        code = {"train": _train, "config": _config, "resume-check": _resume_check}[args.command](args)
+        code = {"train": _train, "config": _config, "resume-check": _resume_check,
+                "plot": plot_cli.run}[args.command](args)
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"fsdpkit {args.command}: error: {e}", file=sys.stderr)
         code = 2

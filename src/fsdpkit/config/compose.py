@@ -10,6 +10,7 @@ override grammar applies: `key=value`, `+key=value` (add), `++key=value` (add or
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import signal
 from collections.abc import Sequence
@@ -173,6 +174,12 @@ def validate(cfg: Config) -> None:
     if ck.async_save and s.state_dict_type != "sharded":
         raise ValueError("checkpoint.async_save needs strategy.state_dict_type=sharded (a full state dict is "
                          "gathered with collectives on the training ranks, which cannot run in the background)")
+    _positive("diagnostics.memory_steps", cfg.diagnostics.memory_steps, allow_zero=True)
+    if cfg.diagnostics.skew_warn_ratio < 1:
+        raise ValueError(f"config key 'diagnostics.skew_warn_ratio' is {cfg.diagnostics.skew_warn_ratio}; it must be >= 1")
+    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
+                         "`pip install tensorboard`, or set logging.tensorboard=false")
     _one_of("device", cfg.device, ("auto", "cpu", "cuda"))
     _one_of("backend", cfg.backend, ("auto", "gloo", "nccl"))
 

@@ -227,6 +227,33 @@ class CheckpointConfig:
 
 
 @dataclass
+class DiagnosticsConfig:
+    """What FSDP2 applied, setup checks, and memory per phase (rank 0 logs; diagnostics.json)."""
+
+    enabled: bool = True
+    """At the start, report what FSDP2 applied to the log and <run_dir>/diagnostics.json, run the
+    setup checks, and record per-phase peak memory of the first steps."""
+    memory_steps: int = 3
+    """Steps whose peak memory per phase (batch start, forward, backward, optimizer step) is
+    recorded: CUDA allocator figures on GPU, RSS on CPU. 0: off."""
+    skew_warn_ratio: float = 1.25
+    """Warn when the largest local parameter MiB of any rank exceeds the smallest by this ratio."""
+    strict: bool = True
+    """Setup-check errors stop the run (with the fix in the message); false: log them and go on."""
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go besides metrics.jsonl."""
+
+    tensorboard: bool = False
+    """Also write metrics and checkpoint/resume events as TensorBoard scalars (rank 0); needs
+    `pip install tensorboard`."""
+    tensorboard_dir: str = "${run_dir}/tensorboard"
+    """Where the TensorBoard event files go."""
+
+
+@dataclass
 class Config:
     """Everything one run needs; composed from conf/config.yaml, its groups and overrides."""
 
@@ -258,3 +285,7 @@ class Config:
     """The loop."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming."""
+    diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
+    """Diagnostics of the FSDP set-up."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics sinks."""

@@ -6,7 +6,7 @@ import logging
 import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,14 @@ from fsdpkit import dist
 from fsdpkit.checkpoint.manager import Checkpointer
 from fsdpkit.data import GlobalSampler, eval_micro_batches, rank_micro_batches
 from fsdpkit.data.datasets import Dataset
+from fsdpkit.diagnostics import (
+    BACKWARD,
+    BATCH_START,
+    FORWARD,
+    OPTIMIZER_STEP,
+    Diagnostics,
+    FSDPContractError,
+)
 from fsdpkit.model import logits as model_logits
 from fsdpkit.train.metrics import MetricsLog, Progress, peak_memory_mib
 from fsdpkit.train.optim import clip_grad_norm
@@ -61,6 +69,7 @@ class Trainer:
     eval_samples: int
     progress: bool
     logger: logging.Logger
+    diagnostics: Diagnostics = field(default_factory=Diagnostics.disabled)
     checkpointer: Checkpointer | None = None
     preemption: PreemptionHandler | None = None
     stopped_by: str | None = None
@@ -79,6 +88,8 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
+        mem = self.diagnostics.memory  # per-phase peaks of the first steps; no-ops afterwards
+        mem.mark(BATCH_START)
         rank, ws = dist.rank(), dist.world_size()
         self._cursor_before = self.sampler.state_dict()
         global_batch = self.sampler.next_global_batch()
@@ -90,12 +101,16 @@ class Trainer:
             # Only the last micro-batch reduce-scatters; earlier ones accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro) - 1)
             loss = token_loss_sum(self.model, self.train_data.batch(indices).to(self.device))
+            mem.mark(FORWARD)
             (loss / global_tokens).backward()
+            mem.mark(BACKWARD)
             loss_sum += loss.detach()
         _raise_if_injected(self.state.step + 1, rank)
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # skips params without grads
+        self.diagnostics.check_grad_norm(grad_norm, parameters=self.model.parameters(), max_norm=self.grad_clip)
         self._updating = True
         self.optimizer.step()
+        mem.mark(OPTIMIZER_STEP)
         self.scheduler.step()
         self.state.step += 1
         self.state.tokens_seen += global_tokens
@@ -113,7 +128,8 @@ class Trainer:
             "tokens_per_s": global_tokens / dt,
             "step_time_s": dt,
             "tokens_seen": self.state.tokens_seen,
-            "peak_mem_mib": peak_memory_mib(self.device),
+            # the phase marks reset the peak counters: their own peaks count too
+            "peak_mem_mib": max(peak_memory_mib(self.device), mem.observed_peak_mib),
         }
 
     def _local_flags(self) -> list[float]:
@@ -164,6 +180,7 @@ class Trainer:
             while self.state.step < end:
                 record = self.train_step()
                 preempted, *checkpoint_flags = self._agreed
+                self.diagnostics.after_step(last=self.state.step >= end)
                 last = self.state.step == self.max_steps  # not at stop_at: an interruption is not the end
                 if last or (self.eval_every and self.state.step % self.eval_every == 0):
                     val_loss = record["val_loss"] = self.evaluate()
@@ -183,11 +200,13 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.finish()
         except Exception as e:
-            if self.checkpointer is not None:
+            # A set-up mistake found by the diagnostics is no state worth saving.
+            if self.checkpointer is not None and not isinstance(e, FSDPContractError):
                 self.checkpointer.on_exception(e, boundary_step=self.boundary_step())
             raise
         finally:
             progress.close()
+            self.diagnostics.close()
         summary = summarize(records, val_loss=val_loss, wall_s=time.perf_counter() - wall0)
         if self.stopped_by:
             summary["stopped_by"] = self.stopped_by

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fsdpkit import dist
+from fsdpkit.diagnostics import TensorBoardWriter
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -33,14 +34,18 @@ def read_records(run_dir: Path, *, events: bool = False) -> list[dict[str, Any]]
 class MetricsLog:
     """Appends one JSON object per step or event to metrics.jsonl (rank 0 only) and logs a summary line."""
 
-    def __init__(self, run_dir: Path, *, logger: logging.Logger, log_every: int):
+    def __init__(self, run_dir: Path, *, logger: logging.Logger, log_every: int,
+                 tensorboard: TensorBoardWriter | None = None):
         self.path = run_dir / METRICS_FILE
         self.logger, self.log_every = logger, log_every
         self._file = self.path.open("a", buffering=1) if dist.is_main() else None
+        self._tensorboard = tensorboard
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
+        if self._tensorboard is not None:
+            self._tensorboard.write(record)
 
     def step(self, record: dict[str, Any], *, quiet: bool = False) -> None:
         self.write(record)
@@ -54,6 +59,8 @@ class MetricsLog:
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
 class Progress:

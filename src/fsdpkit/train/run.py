@@ -9,13 +9,13 @@ from typing import Any
 
 import torch
 from omegaconf import OmegaConf
-from torch import nn
 
 from fsdpkit import __version__, dist
 from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets
+from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
 from fsdpkit.log import get_logger, setup_logging
 from fsdpkit.model import vocab_size
 from fsdpkit.parallel import ShardingPlan, build_sharded_model
@@ -45,24 +45,17 @@ def precision_note(cfg: Config, plan: ShardingPlan) -> str:
     )
 
 
-def local_param_mib(model: nn.Module) -> float:
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total / 2**20
-
-
 def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: bool = True) -> tuple[Trainer, ShardingPlan]:
     """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
     check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
     model, plan = build_sharded_model(cfg, device, init=init)
-    log.info("FSDP2: mesh %s, %d units (%s ...), reshard_after_forward=%s, activation checkpointing on %d, compiled %d",
-             tuple(plan.mesh.shape), len(plan.units), ", ".join(plan.units[:3]), plan.reshard_after_forward,
-             len(plan.checkpointed), len(plan.compiled))
     log.info(precision_note(cfg, plan))
-    log.info("rank 0 holds %.2f MiB of parameters locally", local_param_mib(model))
     optimizer = build_optimizer(model, cfg.optim, device=device)
+    d = cfg.diagnostics
+    diagnostics = start_diagnostics(model, optimizer, device=device, run_dir=run_dir, enabled=d.enabled,
+                                    memory_steps=d.memory_steps, skew_warn_ratio=d.skew_warn_ratio, strict=d.strict,
+                                    param_dtype=plan.mp_policy.param_dtype, state_dict_type=cfg.strategy.state_dict_type)
+    tensorboard = TensorBoardWriter.open(cfg.logging.tensorboard_dir) if cfg.logging.tensorboard else None
     train_data, val_data = build_datasets(cfg.data, vocab_size=vocab_size(model), seed=cfg.seed)
     sampler = GlobalSampler(num_samples=len(train_data), global_batch_size=cfg.train.global_batch_size,
                             seed=cfg.seed, shuffle=cfg.data.shuffle)
@@ -75,7 +68,7 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
         train_data=train_data,
         val_data=val_data,
         state=TrainState(),
-        metrics=MetricsLog(run_dir, logger=log, log_every=t.log_every),
+        metrics=MetricsLog(run_dir, logger=log, log_every=t.log_every, tensorboard=tensorboard),
         device=device,
         max_steps=t.max_steps,
         micro_batch_size=t.micro_batch_size,
@@ -84,6 +77,7 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
         eval_samples=t.eval_samples,
         progress=t.progress,
         logger=log,
+        diagnostics=diagnostics,
     )
     return trainer, plan
 
