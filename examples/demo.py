@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import psutil
 
 from fsdpkit.train.metrics import read_records
 
@@ -37,7 +40,12 @@ def run_until_killed(run_dir: Path) -> None:
     latest = run_dir / "checkpoints" / "latest"
     while job.poll() is None:
         if latest.is_file() and latest.read_text().strip() == KILL_AFTER:
-            os.killpg(job.pid, signal.SIGKILL)  # every rank and the launcher, no warning
+            # Every rank and the launcher, no warning. The ranks are not in the launcher's process
+            # group (torch's launcher starts each in a new session), so kill the process tree.
+            tree = [job.pid] + [c.pid for c in psutil.Process(job.pid).children(recursive=True)]
+            for pid in tree:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             job.wait()
             print(f"demo: killed the job (SIGKILL) after {KILL_AFTER} was committed", flush=True)
             return
@@ -58,7 +66,10 @@ def main() -> int:
     if subprocess.call(train_cmd(RESUMED), stdout=subprocess.DEVNULL) != 0:
         return 1
     full, resumed = metrics(FULL), metrics(RESUMED)
-    resumed_from = int(KILL_AFTER.split("_")[1])
+    resumes = [e["step"] for e in read_records(RESUMED, events=True) if e["event"] == "resume"]
+    if resumes != [int(KILL_AFTER.split("_")[1])]:
+        raise SystemExit(f"demo: expected one resume from {KILL_AFTER}, metrics.jsonl shows resumes at {resumes}")
+    resumed_from = resumes[0]
     after = [s for s in sorted(full) if s > resumed_from]
     identical = all(resumed[s]["loss"] == full[s]["loss"] and resumed[s]["grad_norm"] == full[s]["grad_norm"] for s in after)
     losses = [full[s]["loss"] for s in sorted(full)]
