@@ -7,16 +7,20 @@ still created so that the same FSDP2 code path runs everywhere.
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import gc
 import os
+import signal
 import socket
+import sys
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FSDPKIT_PG_TIMEOUT_S", "600"))
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def rank() -> int:
@@ -60,10 +64,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def die_with_launcher() -> None:
+    """Under torch's elastic launcher, have the kernel SIGKILL this rank when the launcher dies.
+
+    The launcher starts every rank in a new session, so a launcher killed hard (SIGKILL, OOM
+    killer) leaves its ranks training on, and writing checkpoints into a directory that a rerun
+    then shares with them. Linux only; elsewhere a no-op.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        return  # not fatal: the rank just keeps torch's default behaviour
+    if os.getppid() != launcher:  # the launcher died before the request took effect
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def init_process_group(*, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Create the default process group from torchrun's environment, or a world of one."""
     if dist.is_initialized():
         return
+    die_with_launcher()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

@@ -123,3 +123,14 @@ def test_retention_keeps_exactly_what_the_policy_says_over_30_saves(tmp_path):
     kept = {int(p.name.removeprefix("step_")) for p in (run / "checkpoints").glob("step_*")}
     assert kept == expected
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_30"
+
+
+def test_ranks_die_with_a_launcher_killed_hard(tmp_path):
+    run = tmp_path / "run"
+    proc = start(run)
+    wait_for_step(proc, run, 3)
+    ranks = [rank_process(proc, r) for r in (0, 1)]
+    proc.kill()  # SIGKILL to the launcher only: the ranks live in sessions of their own
+    proc.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=3)  # without the fix they train on for seconds
+    assert not alive, f"ranks {[p.pid for p in alive]} outlived their launcher"
