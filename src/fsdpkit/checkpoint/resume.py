@@ -17,7 +17,7 @@ from fsdpkit.checkpoint.errors import (
     CheckpointMismatchError,
 )
 from fsdpkit.checkpoint.full import read_full
-from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
+from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
 from fsdpkit.checkpoint.layout import ON_EXCEPTION, candidate_dirs
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
@@ -174,7 +174,9 @@ def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group
     """Compare the live, restored state with the manifest: keys, shapes, dtypes, checksums and
     optimizer step counts. Any difference is an error naming the key and both values."""
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
-    live = tensor_table(target.tensor_state(rank=rank, with_optimizer=not model_only), group=group)
+    # checkpoints written before the algorithm was recorded used `linear`
+    _, live = tensor_table(target.tensor_state(rank=rank, with_optimizer=not model_only), group=group,
+                           algorithm=manifest.get("tensor_hash", LINEAR))
     saved = {k: v for k, v in manifest["tensors"].items() if not model_only or k.startswith("model.")}
     problems = [f"{k}: in the checkpoint, not restored" for k in sorted(saved.keys() - live.keys())]
     problems += [f"{k}: restored, but not in the checkpoint" for k in sorted(live.keys() - saved.keys())]

@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdpkit.checkpoint.errors import CheckpointSaveError
 from fsdpkit.checkpoint.full import write_full
-from fsdpkit.checkpoint.hashing import HashingFileSystem, tensor_hashes
+from fsdpkit.checkpoint.hashing import HashingFileSystem, hash_algorithm_for, tensor_hashes
 from fsdpkit.checkpoint.layout import MANIFEST, publish_latest
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
@@ -47,10 +47,17 @@ def checksummed_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
-def tensor_table(state: dict[str, Any], *, group: tdist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
+def tensor_table(state: dict[str, Any], *, group: tdist.ProcessGroup | None,
+                 algorithm: str | None = None) -> tuple[str, dict[str, dict[str, Any]]]:
+    """(hash algorithm, {DCP key: shape, dtype, hash}); the algorithm follows where the tensors
+    live unless given (verification must use the one the checkpoint was saved with).
+    Collective over `group`."""
     tensors = checksummed_tensors(state)
-    hashes = tensor_hashes(tensors, group=group)
-    return {k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "hash": hashes[k]} for k, t in tensors.items()}
+    if algorithm is None:  # the same on every rank: all hold their state on the same kind of device
+        algorithm = hash_algorithm_for(tensors)
+    hashes = tensor_hashes(tensors, group=group, algorithm=algorithm)
+    return algorithm, {k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "hash": hashes[k]}
+                       for k, t in tensors.items()}
 
 
 def _gather(obj: Any, group: tdist.ProcessGroup | None) -> list[Any]:
@@ -128,14 +135,14 @@ def _commit(snapshot: Snapshot | None, *, target: CheckpointTarget | None, ckpt_
         if snapshot is None:  # state_dict_type=full: rank 0 gathers and writes safetensors
             assert target is not None
             trainer = target.json_state()
-            tensors = tensor_table(target.tensor_state(rank=rank), group=group)
+            algorithm, tensors = tensor_table(target.tensor_state(rank=rank), group=group)
             t_stage = time.perf_counter()
             written = write_full(target, ckpt_dir, rank=rank, group=group)
             files_by_rank = [written.get("files", {})]  # rank 0 wrote every file
             extra["optimizer_param_groups"] = written.get("optimizer_param_groups")
         else:
             trainer = snapshot.trainer
-            tensors = tensor_table(snapshot.state, group=group)
+            algorithm, tensors = tensor_table(snapshot.state, group=group)
             t_stage = time.perf_counter()
             fs = HashingFileSystem(die_mid_write=_dies_during_this_save(step, rank))
             writer = FileSystemWriter(ckpt_dir, sync_files=True, thread_count=thread_count)
@@ -157,6 +164,7 @@ def _commit(snapshot: Snapshot | None, *, target: CheckpointTarget | None, ckpt_
                 "versions": versions(),
                 **meta,
                 "trainer": trainer,
+                "tensor_hash": algorithm,
                 "tensors": tensors,
                 "files": dict(sorted(files.items())),
                 "bytes_per_rank": bytes_per_rank,
