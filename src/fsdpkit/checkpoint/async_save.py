@@ -14,6 +14,7 @@ barrier all go through it (sharing the training group from two threads mismatche
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import time
@@ -24,11 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
-from torch.distributed._state_dict_utils import (
-    _check_state_dict_similarity,
-    _copy_state_dict,
-    _create_cpu_state_dict,
-)
+from torch.distributed.tensor import DTensor
 
 from fsdpkit.checkpoint.save import Snapshot, capture, write_snapshot
 from fsdpkit.checkpoint.state import CheckpointTarget
@@ -65,6 +62,7 @@ class AsyncSaver:
         self.group, self.thread_count = group, thread_count
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
         self._buffer: dict[str, Any] | None = None
+        self._signature: Any = None
         self._pending: tuple[SaveResult, Future] | None = None
 
     @property
@@ -135,19 +133,68 @@ class AsyncSaver:
 
     @torch.no_grad()
     def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        if self._buffer is None or not _check_state_dict_similarity(state, self._buffer):
-            pin = torch.cuda.is_available() and any(_on_cuda(state))
+        signature = _signature(state)
+        if self._buffer is None or signature != self._signature:
+            pin = torch.cuda.is_available() and any(t.is_cuda for t in _tensors(state))
             log.info("checkpoint: allocating the %sstaging buffer", "pinned " if pin else "")
-            self._buffer = _create_cpu_state_dict(state, pin_memory=pin)
-        staged = _copy_state_dict(state, self._buffer, non_blocking=torch.cuda.is_available())
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before the write starts
+            self._buffer, self._signature = _allocate(state, pin=pin), signature
+        cuda = torch.cuda.is_available()
+        staged = _copy_into(state, self._buffer, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()  # the device-to-host copies must land before the write starts
         return staged
 
 
-def _on_cuda(state: Any):
+# The staging buffer mirrors the state dict: DTensors keep their spec (mesh, placements, global
+# shape) around a host local tensor, as DCP's own staging does. torch's helpers for this
+# (_create_cpu_state_dict, _check_state_dict_similarity) copy every tensor while allocating or
+# comparing, which doubled the stall; these allocate empty buffers and compare shapes only.
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _tensors(state: Any):
     if isinstance(state, dict):
         for v in state.values():
-            yield from _on_cuda(v)
+            yield from _tensors(v)
+    elif isinstance(state, list | tuple):
+        for v in state:
+            yield from _tensors(v)
     elif isinstance(state, torch.Tensor):
-        yield state.device.type == "cuda"
+        yield state
+
+
+def _signature(state: Any) -> Any:
+    """Keys, tensor kinds, shapes and dtypes: a buffer is reused only for the same signature."""
+    if isinstance(state, dict):
+        return tuple((k, _signature(v)) for k, v in state.items())
+    if isinstance(state, list | tuple):
+        return tuple(_signature(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = _local(state)
+        return (type(state).__name__, tuple(state.shape), tuple(local.shape), local.dtype)
+    return None
+
+
+def _allocate(state: Any, *, pin: bool) -> Any:
+    if isinstance(state, dict):
+        return {k: _allocate(v, pin=pin) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_allocate(v, pin=pin) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = _local(state)
+        buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+        return DTensor(buf, state._spec, requires_grad=False) if isinstance(state, DTensor) else buf
+    return None  # not a tensor: taken from the live state at every save
+
+
+def _copy_into(state: Any, buffer: Any, *, non_blocking: bool) -> Any:
+    """The state with every tensor copied into `buffer`; other values deep-copied (they are small)."""
+    if isinstance(state, dict):
+        return {k: _copy_into(v, buffer[k], non_blocking=non_blocking) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(_copy_into(v, b, non_blocking=non_blocking) for v, b in zip(state, buffer, strict=True))
+    if isinstance(state, torch.Tensor):
+        _local(buffer).copy_(_local(state), non_blocking=non_blocking)
+        return buffer
+    return copy.deepcopy(state)
