@@ -59,6 +59,12 @@ def test_forced_add():
         ("data.val_fraction=1.5", "data.val_fraction"),
         ("policy.auto_wrap_policy=[LlamaDecoderLayer]", "not a dotted class path"),
         ("experiment=nope", "experiment/nope"),
+        ("model.init_from=/some/dir", "model.init_from"),
+        ("export.dtype=int8", "config key 'export.dtype'"),
+        ("checkpoint.keep_best_mode=lowest", "checkpoint.keep_best_mode"),
+        ("checkpoint.preemption_signals=[SIGNOPE]", "unknown signal 'SIGNOPE'"),
+        ("checkpoint.async=maybe", "checkpoint.async_save"),
+        ("diagnostics.skew_warn_ratio=0.5", "diagnostics.skew_warn_ratio"),
     ],
 )
 def test_bad_config_names_the_key(override, message):
@@ -98,3 +104,11 @@ def test_readme_documents_every_option():
     readme = (ROOT / "README.md").read_text()
     missing = [key for key, *_ in iter_options() if f"`{key}`" not in readme]
     assert not missing, f"README.md does not document: {missing} (regenerate with `fsdpkit config docs --markdown`)"
+
+
+def test_async_alias_and_cross_checks():
+    assert compose_config(["checkpoint.async=true"]).checkpoint.async_save is True
+    with pytest.raises(ValueError, match="needs strategy.state_dict_type=sharded"):
+        compose_config(["checkpoint.async=true", "strategy.state_dict_type=full"])
+    with pytest.raises(ValueError, match="set checkpoint.save_at_end=true"):
+        compose_config(["export.on_finish=true", "checkpoint.save_at_end=false"])

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdpkit.checkpoint.hashing import LINEAR, ROWS, _hash_part
+from fsdpkit.checkpoint.hashing import LINEAR, ROWS, hash_part
 
 
 def split_sum(t: torch.Tensor, cuts: list[int], algorithm: str) -> int:
     bounds = [0, *cuts, t.shape[0]]
-    total = sum(_hash_part(t[a:b], first_row=a, algorithm=algorithm) for a, b in zip(bounds, bounds[1:], strict=False))
+    total = sum(hash_part(t[a:b], first_row=a, algorithm=algorithm) for a, b in zip(bounds, bounds[1:], strict=False))
     return (total + (1 << 63)) % (1 << 64) - (1 << 63)  # int64 wrap-around, as the all-reduce does
 
 
@@ -18,18 +18,18 @@ def split_sum(t: torch.Tensor, cuts: list[int], algorithm: str) -> int:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
 def test_split_invariant_and_sensitive(algorithm, dtype):
     t = (torch.randn(37, 5) * 100).to(dtype)
-    whole = _hash_part(t, first_row=0, algorithm=algorithm)
+    whole = hash_part(t, first_row=0, algorithm=algorithm)
     assert split_sum(t, [10], algorithm) == whole == split_sum(t, [1, 13, 36], algorithm)
     swapped = t.clone()
     swapped[[3, 4]] = t[[4, 3]]
     changed = t.clone()
     changed.view(-1)[17] += 1
-    assert _hash_part(swapped, first_row=0, algorithm=algorithm) != whole
-    assert _hash_part(changed, first_row=0, algorithm=algorithm) != whole
+    assert hash_part(swapped, first_row=0, algorithm=algorithm) != whole
+    assert hash_part(changed, first_row=0, algorithm=algorithm) != whole
     # the same rows at another global position (a mismapped shard) hash differently
-    assert _hash_part(t[1:], first_row=0, algorithm=algorithm) != _hash_part(t[1:], first_row=1, algorithm=algorithm)
+    assert hash_part(t[1:], first_row=0, algorithm=algorithm) != hash_part(t[1:], first_row=1, algorithm=algorithm)
 
 
 def test_unknown_algorithm_is_an_error():
     with pytest.raises(ValueError, match="unknown tensor hash algorithm"):
-        _hash_part(torch.zeros(2, 2), first_row=0, algorithm="md5")
+        hash_part(torch.zeros(2, 2), first_row=0, algorithm="md5")

@@ -50,6 +50,7 @@ def _imports(path: Path) -> set[str]:
         ("train", ("fsdpkit.cli",)),
         ("checkpoint", ("fsdpkit.train", "fsdpkit.cli", "fsdpkit.diagnostics")),
         ("diagnostics", ("fsdpkit.train", "fsdpkit.cli", "fsdpkit.checkpoint", "fsdpkit.parallel")),
+        ("export", ("fsdpkit.train", "fsdpkit.cli", "fsdpkit.diagnostics", "fsdpkit.parallel")),
     ],
 )
 def test_imports_point_one_way(package, forbidden):

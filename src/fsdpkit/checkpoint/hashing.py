@@ -153,7 +153,7 @@ def _rows_hash(local: torch.Tensor, first_row: int) -> int:
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
-def _hash_part(local: torch.Tensor, *, first_row: int, algorithm: str) -> int:
+def hash_part(local: torch.Tensor, *, first_row: int, algorithm: str) -> int:
     if algorithm == ROWS and local.dim() >= 2:
         return _rows_hash(local, first_row)
     if algorithm not in (ROWS, LINEAR):
@@ -174,7 +174,7 @@ def _rank(group: tdist.ProcessGroup | None) -> int:
 def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algorithm: str) -> int:
     """This rank's share of the hash; replicas (of plain tensors or Replicate dims) count once."""
     if not isinstance(t, DTensor):
-        return _hash_part(t, first_row=0, algorithm=algorithm) if _rank(group) == 0 else 0
+        return hash_part(t, first_row=0, algorithm=algorithm) if _rank(group) == 0 else 0
     coord = t.device_mesh.get_coordinate()
     if coord is None or any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord, strict=True)):
         return 0
@@ -182,7 +182,7 @@ def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algor
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if any(offset[1:]):
         raise NotImplementedError(f"tensor hashing supports dim-0 sharding only, got {t.placements}")
-    return _hash_part(local, first_row=offset[0] if local.dim() else 0, algorithm=algorithm)
+    return hash_part(local, first_row=offset[0] if local.dim() else 0, algorithm=algorithm)
 
 
 def tensor_hashes(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None,

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.cli import ckpt as ckpt_cli
 from fsdpkit.cli import plot as plot_cli
 from fsdpkit.train.preemption import EXIT_PREEMPTED
 
@@ -56,6 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--config-dir", action="append", default=[], metavar="DIR")
     c.add_argument("--markdown", action="store_true", help="docs: print a markdown table (what the README holds)")
     c.add_argument("overrides", nargs="*", help="Hydra overrides (for show)")
+    ckpt_cli.add_parser(sub)
     plot_cli.add_parser(sub)
     return p
 
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
     try:
-        code = {"train": _train, "config": _config, "resume-check": _resume_check,
+        code = {"train": _train, "config": _config, "resume-check": _resume_check, "ckpt": ckpt_cli.run,
                 "plot": plot_cli.run}[args.command](args)
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         print(f"fsdpkit {args.command}: error: {e}", file=sys.stderr)

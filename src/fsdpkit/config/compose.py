@@ -180,6 +180,13 @@ def validate(cfg: Config) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
                          "`pip install tensorboard`, or set logging.tensorboard=false")
+    if m.init_from and not (m.init_from.startswith("hf:") and len(m.init_from) > 3):
+        raise ValueError(f"config key 'model.init_from' is {m.init_from!r}; use hf:<directory of safetensors> or ''")
+    _one_of("export.dtype", cfg.export.dtype, ("bf16", "fp16", "fp32"))
+    _one_of("export.format", cfg.export.format, ("hf", "single"))
+    if cfg.export.on_finish and not cfg.checkpoint.save_at_end:
+        raise ValueError("export.on_finish exports the final checkpoint: set checkpoint.save_at_end=true "
+                         "(or export later with `fsdpkit ckpt export`)")
     _one_of("device", cfg.device, ("auto", "cpu", "cuda"))
     _one_of("backend", cfg.backend, ("auto", "gloo", "nccl"))
 

@@ -90,6 +90,11 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict)
     """kind=hf only: keyword arguments of `transformers.AutoConfig.for_model` (must include
     `model_type`, e.g. `llama`)."""
+    init_from: str = ""
+    """`hf:<dir>`: start from the weights of a Hugging Face safetensors folder (model.safetensors
+    or shards with an index) instead of a random init; each rank reads only the slices it owns,
+    converted to the parameter dtype. Keys and shapes must match the model. Ignored when the run
+    resumes from a checkpoint. Empty: random init from seed."""
 
 
 @dataclass
@@ -254,6 +259,24 @@ class LoggingConfig:
 
 
 @dataclass
+class ExportConfig:
+    """Safetensors export of the final weights (what `fsdpkit ckpt export` does, at the end)."""
+
+    on_finish: bool = False
+    """When training reaches train.max_steps, export the final checkpoint's model weights (rank
+    0, streaming, after the process group is torn down). Needs checkpoint.save_at_end."""
+    dir: str = "${run_dir}/export"
+    """Where the export goes (replaced if it exists)."""
+    dtype: str = "bf16"
+    """`bf16`, `fp16` or `fp32`: the dtype of the exported floating tensors (training keeps fp32)."""
+    format: str = "hf"
+    """`hf`: a Hugging Face folder (config.json, model.safetensors or shards + index);
+    `single`: one safetensors file."""
+    max_shard_size: str = "5GB"
+    """format=hf: the largest safetensors file before the export is split into shards."""
+
+
+@dataclass
 class Config:
     """Everything one run needs; composed from conf/config.yaml, its groups and overrides."""
 
@@ -289,3 +312,5 @@ class Config:
     """Diagnostics of the FSDP set-up."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics sinks."""
+    export: ExportConfig = field(default_factory=ExportConfig)
+    """Export at the end of training."""

@@ -16,6 +16,7 @@ from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets
 from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
+from fsdpkit.export import export_checkpoint, load_hf_weights
 from fsdpkit.log import get_logger, setup_logging
 from fsdpkit.model import vocab_size
 from fsdpkit.parallel import ShardingPlan, build_sharded_model
@@ -48,7 +49,12 @@ def precision_note(cfg: Config, plan: ShardingPlan) -> str:
 def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: bool = True) -> tuple[Trainer, ShardingPlan]:
     """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
     check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
-    model, plan = build_sharded_model(cfg, device, init=init)
+    init_from = cfg.model.init_from.removeprefix("hf:") if init else ""
+    model, plan = build_sharded_model(cfg, device, init=init and not init_from)
+    if init_from:
+        loaded = load_hf_weights(model, init_from)
+        log.info("initialised %d tensors from %s in %.2f s (rank 0 read %.1f MiB: its own slices)",
+                 loaded["loaded"], init_from, loaded["seconds"], loaded["bytes_read"] / 2**20)
     log.info(precision_note(cfg, plan))
     optimizer = build_optimizer(model, cfg.optim, device=device)
     d = cfg.diagnostics
@@ -134,8 +140,21 @@ def run(cfg: Config) -> dict[str, Any]:
             log.info("done: %s", json.dumps(summary))
             log.info("run directory: %s (metrics: %s)", run_dir.resolve(), (run_dir / METRICS_FILE).resolve())
         failed = False
-        return summary
     finally:
         trainer = None
+        main = dist.is_main()
         # After a failure another rank may be dead or stuck in a collective: no barrier then.
         dist.shutdown(barrier=not failed)
+    finished = summary.get("last_step") == cfg.train.max_steps and not summary.get("stopped_by")
+    if cfg.export.on_finish and finished and main:
+        export_final(cfg)  # after the teardown: no rank waits on it
+    return summary
+
+
+def export_final(cfg: Config) -> dict[str, Any]:
+    """Export the final checkpoint's weights as configured under `export` (one process)."""
+    e = cfg.export
+    report = export_checkpoint(Path(cfg.checkpoint.dir), Path(e.dir), dtype=e.dtype, fmt=e.format,
+                               max_shard_size=e.max_shard_size, overwrite=True)
+    log.info("exported the final weights to %s (%s)", e.dir, report.get("dtype_note") or e.dtype)
+    return report

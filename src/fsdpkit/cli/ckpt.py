@@ -1,0 +1,178 @@
+"""`fsdpkit ckpt export | inspect | verify | diff`: offline checkpoint tools (one process, no
+process group). Exit codes: 0 success, 1 problems found (verify) or differences (diff), 2 a
+usage error or an unreadable, incomplete or unsafe checkpoint (raised, reported by main)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from fsdpkit.export.tunables import DEFAULT_MAX_SHARD_SIZE, VERIFY_THREADS
+
+CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp), a checkpoints or run directory "
+                  "(its `latest` is used), a Hugging Face folder or a .safetensors file")
+
+EXPORT_HELP = """\
+Write a checkpoint's model weights as safetensors, streaming: tensors are read from the shards a
+block at a time and written out, so memory stays bounded whatever the model size. Optimizer,
+RNG and other state are ignored. The output appears atomically (written under a temporary name,
+then renamed).
+
+--format hf (default): OUT is a directory with model.safetensors, or model-0000X-of-0000N
+.safetensors shards and model.safetensors.index.json when the weights exceed --max-shard-size,
+plus config.json and generation_config.json when the checkpoint records its run config (fsdpkit
+checkpoints), so that transformers.AutoModelForCausalLM.from_pretrained(OUT) loads it. A tied
+lm_head is written once, as transformers expects. --format single: OUT is one .safetensors file.
+
+Names: wrapper components (_orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.,
+leading module.) are removed; --strip-prefix/--add-prefix adapt other layouts.
+
+examples:
+  fsdpkit ckpt export runs/demo/checkpoints exported/demo
+  fsdpkit ckpt export runs/demo/checkpoints/step_200 demo-bf16 --dtype bf16 --max-shard-size 2GB
+  fsdpkit ckpt export other_tool_dcp_dir weights.safetensors --format single --namespace ''
+"""
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `ckpt` and its subcommands on the top-level subparsers."""
+    ckpt = sub.add_parser("ckpt", help="export, inspect, verify or diff checkpoints (offline, one process)",
+                          description="Offline checkpoint tools (one process, no process group). Checkpoint "
+                                      "metadata is read through allow-lists: nothing a checkpoint brings is ever run. "
+                                      "Exit codes: 0 success, 1 verify found problems or diff found differences, "
+                                      "2 a usage error or an unreadable, incomplete or unsafe checkpoint.")
+    cmds = ckpt.add_subparsers(dest="ckpt_command", required=True)
+
+    e = cmds.add_parser("export", help="write the model weights as safetensors (Hugging Face folder or one file)",
+                        description=EXPORT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    e.add_argument("ckpt", metavar="CKPT", help=CKPT_PATH_HELP)
+    e.add_argument("out", metavar="OUT", help="output directory (--format hf) or file (--format single)")
+    e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
+                   help="dtype of floating-point tensors (default: as stored, i.e. fp32 master weights for fsdpkit runs)")
+    e.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
+                   help=f"largest output file of --format hf, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})")
+    e.add_argument("--format", dest="fmt", choices=["hf", "single"], default="hf",
+                   help="hf: a Hugging Face folder (default); single: one .safetensors file")
+    e.add_argument("--namespace", default=None, metavar="NAME",
+                   help="top-level state-dict entry holding the model in a plain DCP checkpoint (default: `model` "
+                        "if present, else the top-level tensors); '' for model keys at the top level")
+    e.add_argument("--strip-prefix", action="append", default=[], metavar="PREFIX",
+                   help="remove PREFIX from names that start with it (repeatable), after wrapper components")
+    e.add_argument("--add-prefix", default="", metavar="PREFIX", help="prepend PREFIX to every name, last")
+    e.add_argument("--reader", choices=["direct", "dcp"], default="direct",
+                   help="direct: read chunk byte ranges (default); dcp: through dcp.load one tensor at a time "
+                        "(needed only for DCP storage extensions such as compression)")
+    e.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (once the new export is complete)")
+    e.add_argument("--no-config", action="store_true", help="do not write config.json/generation_config.json")
+    e.add_argument("--verify", action="store_true",
+                   help="recompute every file checksum of an fsdpkit checkpoint first (default: check presence and sizes)")
+    e.add_argument("--json", action="store_true", help="print the export report as JSON")
+
+    i = cmds.add_parser("inspect", help="show what a checkpoint holds (never loads tensor data or pickled objects)",
+                        description="Step, world size, mesh, versions, config summary, tensors (shape, dtype, bytes, "
+                                    "how sharded), bytes per rank, optimizer state, data cursor and checksum status. "
+                                    "Works on plain DCP directories and safetensors too, with what they record.")
+    i.add_argument("ckpt", metavar="CKPT", help=CKPT_PATH_HELP)
+    i.add_argument("--all", action="store_true", help="list every tensor (optimizer and RNG too), not just the model's")
+    i.add_argument("--json", action="store_true", help="print the full report as JSON")
+
+    v = cmds.add_parser("verify", help="recompute checksums and check every file and chunk is present and complete",
+                        description="Recompute every file checksum recorded in manifest.json (in parallel), check that "
+                                    "every file and every tensor chunk listed in the DCP metadata is present and complete, "
+                                    "and name each bad file. Plain DCP directories carry no checksums: their structure is "
+                                    "checked. Exit 0 only when all is well, 1 when anything is wrong, 2 when CKPT "
+                                    "is not a checkpoint at all.")
+    v.add_argument("ckpt", metavar="CKPT", help=CKPT_PATH_HELP)
+    v.add_argument("--threads", type=int, default=VERIFY_THREADS, help=f"parallel checks (default {VERIFY_THREADS})")
+    v.add_argument("--tensors", action="store_true",
+                   help="also recompute every tensor's checksum from the data and compare with the manifest (reads it all again)")
+    v.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    d = cmds.add_parser("diff", help="compare two checkpoints tensor by tensor",
+                        description="Keys only in A or B, shape and dtype changes, and per tensor the largest absolute "
+                                    "difference and the relative L2 difference ||A-B||/||A||, streamed block by block. "
+                                    "A and B may be checkpoints, DCP directories, Hugging Face folders or .safetensors "
+                                    "files. Exit 0 when identical, 1 when they differ.")
+    d.add_argument("a", metavar="A", help=CKPT_PATH_HELP)
+    d.add_argument("b", metavar="B", help="the same kinds of path as A")
+    d.add_argument("--all", action="store_true",
+                   help="compare every tensor under its raw key (optimizer, RNG too); default: model weights by exported name")
+    d.add_argument("--namespace", default=None, metavar="NAME", help="as for export, for plain DCP checkpoints")
+    d.add_argument("--json", action="store_true", help="print the full report as JSON")
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=1, default=str))
+
+
+def _export(args: argparse.Namespace) -> int:
+    from fsdpkit.export.exporter import export_checkpoint
+
+    report = export_checkpoint(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, fmt=args.fmt,
+                               namespace=args.namespace, strip_prefixes=args.strip_prefix, add_prefix=args.add_prefix,
+                               reader=args.reader, overwrite=args.overwrite, write_config=not args.no_config,
+                               verify=args.verify)
+    if args.json:
+        _print_json(report)
+        return 0
+    step = f" (step {report['step']})" if report["step"] is not None else ""
+    print(f"exported {report['num_tensors']} tensors, {report['total_size'] / 2**20:.2f} MiB, from {report['source']}{step} "
+          f"to {report['out']} in {report['seconds']:.2f} s")
+    for name, info in report["files"].items():
+        print(f"  {name}: {info['tensors']} tensors, {info['bytes']:,} bytes")
+    if report["index"]:
+        print(f"  {report['index']}: weight map and total_size")
+    print(f"dtype: {report['dtype_note']}")
+    for line in report["dropped"]:
+        print(f"dropped: {line}")
+    if report["config"]:
+        print(report["config"])
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from fsdpkit.export.inspection import inspect_checkpoint, render_text
+
+    report = inspect_checkpoint(args.ckpt)
+    if args.json:
+        _print_json(report)
+    else:
+        print(render_text(report, all_tensors=args.all))
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from fsdpkit.export.verification import verify_checkpoint
+
+    if args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    report = verify_checkpoint(args.ckpt, threads=args.threads, tensors=args.tensors)
+    if args.json:
+        _print_json(report)
+    else:
+        checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in report["checked"].items())
+        print(f"{report['path']} ({report['kind']}): checksums {report['checksums']}; checked {checked or 'nothing'}")
+        for problem in report["problems"]:
+            print(f"  BAD: {problem}")
+        if report["ok"]:
+            print("OK: every file and chunk is present and intact")
+        else:
+            print(f"FAILED: {len(report['problems'])} problem(s) in {', '.join(report['bad_files']) or 'the metadata'}")
+    return 0 if report["ok"] else 1
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from fsdpkit.export.diffing import diff_checkpoints, render_text
+
+    report = diff_checkpoints(args.a, args.b, all_tensors=args.all, namespace=args.namespace)
+    if args.json:
+        _print_json(report)
+    else:
+        print(render_text(report))
+    return 0 if report["identical"] else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen `ckpt` subcommand; returns the exit code."""
+    return {"export": _export, "inspect": _inspect, "verify": _verify, "diff": _diff}[args.ckpt_command](args)

@@ -1,0 +1,369 @@
+"""Export a checkpoint's model weights as safetensors, streaming, in one process.
+
+Tensors are read a block of rows at a time (`tunables.BLOCK_BYTES`), converted to the output
+dtype and appended to the output file, with the next block read ahead by one thread while the
+current one is written. Peak memory is a few blocks whatever the model size. The output is
+written under a temporary name beside the target and renamed into place when complete (files
+fsynced first), so a reader never sees half an export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fsdpkit import __version__
+from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from fsdpkit.checkpoint.layout import fsync_dir
+from fsdpkit.checkpoint.manifest import check_files_present, dtype_name
+from fsdpkit.checkpoint.resume import verify_files
+from fsdpkit.export.hf_config import hf_configs, is_tied
+from fsdpkit.export.keys import model_weights
+from fsdpkit.export.safetensors_io import (
+    INDEX_FILE,
+    SINGLE_FILE,
+    StreamingSafetensorsWriter,
+    plan_shards,
+    shard_file_name,
+)
+from fsdpkit.export.sources import OpenedCheckpoint, TensorInfo, iter_row_blocks, open_checkpoint
+from fsdpkit.export.tunables import (
+    BLOCK_BYTES,
+    DEFAULT_MAX_SHARD_SIZE,
+    READ_AHEAD,
+    VERIFY_THREADS,
+    parse_size,
+)
+
+FORMATS = ("hf", "single")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp32": torch.float32, "float32": torch.float32}
+TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """`bf16`/`fp16`/`fp32` (or a torch floating dtype) -> torch.dtype; None keeps the stored dtype."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of bf16, fp16, fp32, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def export_checkpoint(
+    ckpt: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    fmt: str = "hf",
+    namespace: str | None = None,
+    strip_prefixes: Sequence[str] = (),
+    add_prefix: str = "",
+    reader: str = "direct",
+    overwrite: bool = False,
+    write_config: bool = True,
+    verify: bool = False,
+    block_bytes: int = BLOCK_BYTES,
+) -> dict[str, Any]:
+    """Write the model weights of `ckpt` to `out` as safetensors; one process, no process group.
+
+    Args:
+        ckpt: an fsdpkit checkpoint (sharded or `state_dict_type=full`), a checkpoints or run
+            directory (its `latest` is used), a plain DCP directory or a safetensors folder/file.
+        out: `fmt="hf"`: a directory that gets `model.safetensors` (or `model-0000X-of-0000N`
+            shards and `model.safetensors.index.json` above `max_shard_size`), plus `config.json`
+            and `generation_config.json` when the run config is known. `fmt="single"`: one file.
+        dtype: `bf16`, `fp16` or `fp32` for floating tensors (integer tensors are never cast);
+            None keeps what the checkpoint stores (fp32 master weights for fsdpkit runs).
+        max_shard_size: bytes or a size such as `5GB` (hf format only).
+        namespace, strip_prefixes, add_prefix: which tensors are the model's and how to rename
+            them (see fsdpkit.export.keys); wrapper components are always removed.
+        reader: `direct` (byte ranges) or `dcp` (through dcp.load) for DCP checkpoints.
+        overwrite: replace an existing `out` (only once the new export is complete).
+        write_config: write config.json/generation_config.json (hf format, when the run config is known).
+        verify: first recompute every file checksum of an fsdpkit checkpoint (one more read of
+            it); without it, files are only checked to be present with their recorded sizes.
+    Returns:
+        A report: files written, tensors, dtypes and why they differ from the checkpoint, what
+        was dropped (a tied lm_head), config notes, timing.
+    Raises:
+        ValueError: bad options, or `out` exists without `overwrite`.
+        FileNotFoundError: no checkpoint at `ckpt`.
+        CheckpointError: an uncommitted, incomplete, corrupt or unsafe checkpoint.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be `hf` or `single`, got {fmt!r}")
+    target = parse_dtype(dtype)
+    shard_limit = parse_size(max_shard_size)
+    out = Path(out)
+    _check_destination(out, fmt=fmt, overwrite=overwrite)
+    t0 = time.perf_counter()
+    with open_checkpoint(ckpt, reader=reader) as opened:
+        _check_integrity(opened, verify=verify)
+        tensors = opened.source.tensors()
+        names = model_weights(list(tensors), key_paths=opened.source.key_paths, namespace=namespace,
+                              structured=opened.kind in ("fsdpkit", "dcp"), strip_prefixes=tuple(strip_prefixes),
+                              add_prefix=add_prefix)
+        dropped = _drop_tied_head(names, opened)
+        out_dtypes = {name: _out_dtype(tensors[key].dtype, target) for name, key in names.items()}
+        sizes = [(name, TensorInfo(tensors[key].shape, out_dtypes[name]).nbytes) for name, key in names.items()]
+        total = sum(n for _, n in sizes)
+        groups, files = _plan_files(sizes, out=out, fmt=fmt, total=total, shard_limit=shard_limit)
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        try:
+            written = _write_files(opened, names, out_dtypes, groups, files, tmp_dir=tmp if fmt == "hf" else None,
+                                   tmp_file=tmp if fmt == "single" else None, block_bytes=block_bytes)
+            config_note = ""
+            if fmt == "hf":
+                if len(groups) > 1:
+                    weight_map = {name: file for group, file in zip(groups, files, strict=True) for name in group}
+                    _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+                config_note = (_write_hf_configs(tmp, opened, target=target, out_dtypes=out_dtypes) if write_config
+                               else "config.json not written (write_config=False)")
+                fsync_dir(tmp)
+            _publish(tmp, out, overwrite=overwrite)
+        except BaseException:
+            if tmp.is_dir():
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                tmp.unlink(missing_ok=True)
+            raise
+        seconds = time.perf_counter() - t0
+        read_bytes = sum(tensors[key].nbytes for key in names.values())
+        return {
+            "source": str(opened.path),
+            "source_kind": opened.kind,
+            "step": (opened.manifest or {}).get("step"),
+            "out": str(out),
+            "format": fmt,
+            "files": written,
+            "index": INDEX_FILE if fmt == "hf" and len(groups) > 1 else None,
+            "num_tensors": len(names),
+            "total_size": total,
+            "dtypes": dict(Counter(dtype_name(d) for d in out_dtypes.values())),
+            "source_dtypes": dict(Counter(dtype_name(tensors[k].dtype) for k in names.values())),
+            "dtype_note": _dtype_note(opened, target, {tensors[k].dtype for k in names.values()}),
+            "dropped": dropped,
+            "config": config_note,
+            "seconds": seconds,
+            "read_bytes": read_bytes,
+            "gb_per_s": read_bytes / seconds / 1e9 if seconds else None,
+        }
+
+
+def _check_integrity(opened: OpenedCheckpoint, *, verify: bool) -> None:
+    """fsdpkit checkpoints: every file present with its recorded size (and checksum, if `verify`)."""
+    if opened.manifest is None:
+        return
+    problems = check_files_present(opened.path, opened.manifest)
+    if verify and not problems:
+        problems = verify_files(opened.path, opened.manifest, threads=VERIFY_THREADS)
+    if problems:
+        raise CheckpointCorruptError(f"{opened.path} failed verification; nothing was exported:\n  " + "\n  ".join(problems))
+
+
+def _plan_files(sizes: list[tuple[str, int]], *, out: Path, fmt: str, total: int,
+                shard_limit: int) -> tuple[list[list[str]], list[str]]:
+    """(tensor names per file, file names): one file, or Hugging Face shards above the limit."""
+    if fmt == "single":
+        return [[n for n, _ in sizes]], [out.name]
+    if total <= shard_limit:
+        return [[n for n, _ in sizes]], [SINGLE_FILE]
+    groups = plan_shards(sizes, max_shard_size=shard_limit)
+    return groups, [shard_file_name(i + 1, len(groups)) for i in range(len(groups))]
+
+
+def _check_destination(out: Path, *, fmt: str, overwrite: bool) -> None:
+    if fmt == "single" and out.is_dir():
+        raise ValueError(f"{out} is a directory; --format single writes one file: give a file path such as {out / SINGLE_FILE}")
+    if fmt == "hf" and out.is_file():
+        raise ValueError(f"{out} is a file; --format hf writes a directory")
+    exists = out.is_file() or (out.is_dir() and any(out.iterdir()))
+    if exists and not overwrite:
+        raise ValueError(f"{out} already exists; pass --overwrite to replace it (the old export is kept until the new one is complete)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def _out_dtype(stored: torch.dtype, target: torch.dtype | None) -> torch.dtype:
+    return target if target is not None and stored.is_floating_point else stored
+
+
+def _drop_tied_head(names: dict[str, str], opened: OpenedCheckpoint) -> list[str]:
+    """Write a tied lm_head once, under its embedding's name, as transformers expects.
+
+    The twin is `model.embed_tokens.weight` (Llama) or, for other architectures, the tensor with
+    lm_head's shape and checksum in the manifest.
+    """
+    model_cfg = ((opened.manifest or {}).get("config") or {}).get("model")
+    if not is_tied(model_cfg) or TIED_HEAD not in names:
+        return []
+    hashes = (opened.manifest or {}).get("tensors") or {}
+    head = hashes.get(names[TIED_HEAD], {})
+    twin = TIED_EMBEDDING if TIED_EMBEDDING in names else next(
+        (n for n, k in names.items() if n != TIED_HEAD and head and hashes.get(k) == head), None)
+    if twin is None:
+        return []
+    other = hashes.get(names[twin], {}).get("hash")
+    if head.get("hash") and other and head["hash"] != other:
+        raise CheckpointMismatchError(
+            f"{opened.path}: the run config ties embeddings but {names[TIED_HEAD]} and {names[twin]} differ "
+            f"(checksums {head['hash']} and {other}); the checkpoint does not match its config"
+        )
+    del names[TIED_HEAD]
+    return [f"{TIED_HEAD} (tied to {twin}: written once, as transformers expects)"]
+
+
+class _BlockBuffers:
+    """A few fixed buffers that blocks are read (and converted) into, reused round-robin.
+
+    Why not a fresh tensor per block: blocks are allocated on the read-ahead thread and freed on
+    the writing thread, and glibc then keeps much of that memory in its arenas; reusing fixed
+    buffers keeps the resident size flat, whatever the number of blocks.
+    """
+
+    def __init__(self, count: int, nbytes: int) -> None:
+        self._count, self._nbytes = count, nbytes
+        self._raw: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def view(self, index: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = 1
+        for s in shape:
+            numel *= s
+        nbytes = numel * dtype.itemsize
+        if nbytes > self._nbytes:  # one row larger than a block: a buffer of its own
+            return torch.empty(shape, dtype=dtype)
+        with self._lock:  # allocated on first use (a ring that is never needed costs nothing)
+            while len(self._raw) < self._count:
+                self._raw.append(torch.empty(self._nbytes, dtype=torch.uint8))
+        return self._raw[index % self._count][:nbytes].view(dtype).view(shape)
+
+
+def _prefetched(opened: OpenedCheckpoint, jobs: list[tuple[str, int, int, torch.dtype]], *, block_bytes: int,
+                read_ahead: int = READ_AHEAD) -> Iterator[torch.Tensor]:
+    """The row blocks `jobs` name, converted, with the next `read_ahead` ones read (and converted)
+    in parallel threads meanwhile.
+
+    At most read_ahead + 1 blocks are alive at once (the one the caller writes and those being
+    read), so rings of read_ahead + 2 buffers leave one spare; a block must be consumed before
+    asking for the next.
+    """
+    tensors = opened.source.tensors()
+    depth = max(1, read_ahead)
+    raw, converted = _BlockBuffers(depth + 2, block_bytes), _BlockBuffers(depth + 2, block_bytes)
+
+    def load(i: int) -> torch.Tensor:
+        key, start, stop, out_dtype = jobs[i]
+        info = tensors[key]
+        shape = (stop - start, *info.shape[1:]) if info.shape else ()
+        block = opened.source.read_rows(key, start, stop, out=raw.view(i, shape, info.dtype))
+        if block.dtype == out_dtype:
+            return block
+        return converted.view(i, shape, out_dtype).copy_(block)
+
+    if not jobs:
+        return
+    with ThreadPoolExecutor(max_workers=depth, thread_name_prefix="fsdpkit-export-read") as pool:
+        ahead = deque(pool.submit(load, i) for i in range(min(depth, len(jobs))))
+        for i in range(len(jobs)):
+            block = ahead.popleft().result()
+            if i + depth < len(jobs):
+                ahead.append(pool.submit(load, i + depth))
+            yield block
+            del block
+
+
+def _write_files(opened: OpenedCheckpoint, names: dict[str, str], out_dtypes: dict[str, torch.dtype],
+                 groups: list[list[str]], files: list[str], *, tmp_dir: Path | None, tmp_file: Path | None,
+                 block_bytes: int) -> dict[str, dict[str, int]]:
+    tensors = opened.source.tensors()
+    blocks = {name: list(iter_row_blocks(tensors[names[name]], block_bytes=block_bytes)) for name in names}
+    jobs = [(names[name], a, b, out_dtypes[name]) for group in groups for name in group for a, b in blocks[name]]
+    stream = _prefetched(opened, jobs, block_bytes=block_bytes)
+    written: dict[str, dict[str, int]] = {}
+    if tmp_dir is not None:
+        tmp_dir.mkdir()
+    try:
+        for group, file in zip(groups, files, strict=True):
+            path = tmp_file if tmp_file is not None else tmp_dir / file
+            layout = [(name, tensors[names[name]].shape, out_dtypes[name]) for name in group]
+            writer = StreamingSafetensorsWriter(path, layout, metadata={"format": "pt", "exported_by": f"fsdpkit {__version__}"})
+            try:
+                for name in group:
+                    writer.write_tensor(name, (next(stream) for _ in blocks[name]))
+            except BaseException:
+                writer.abort()
+                raise
+            writer.close()
+            written[file] = {"bytes": writer.file_bytes, "tensors": len(group)}
+    finally:
+        stream.close()  # stops the read-ahead thread at once if writing failed
+    return written
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_hf_configs(folder: Path, opened: OpenedCheckpoint, *, target: torch.dtype | None,
+                      out_dtypes: dict[str, torch.dtype]) -> str:
+    model_cfg = ((opened.manifest or {}).get("config") or {}).get("model")
+    if not model_cfg:
+        return ("config.json not written: a plain DCP checkpoint carries no run config; copy the config.json of the "
+                "model it was trained from")
+    floating = [d for d in out_dtypes.values() if d.is_floating_point]
+    dtype = target or (Counter(floating).most_common(1)[0][0] if floating else torch.float32)
+    config, generation, note = hf_configs(model_cfg, dtype=dtype)
+    if config is not None:
+        _write_json(folder / "config.json", config)
+    if generation is not None:
+        _write_json(folder / "generation_config.json", generation)
+    return note
+
+
+def _publish(tmp: Path, out: Path, *, overwrite: bool) -> None:
+    """Move the finished export into place; an old one is removed only afterwards."""
+    old = None
+    if out.exists() and (out.is_file() or any(out.iterdir())):
+        if not overwrite:
+            raise ValueError(f"{out} appeared while exporting; pass --overwrite to replace it")
+        old = out.with_name(f".{out.name}.old-{os.getpid()}")
+        os.replace(out, old)
+    elif out.is_dir():
+        out.rmdir()  # an empty directory the user created for us
+    os.replace(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None and old.is_dir():
+        shutil.rmtree(old)
+    elif old is not None:
+        old.unlink()
+
+
+def _dtype_note(opened: OpenedCheckpoint, target: torch.dtype | None, stored: set[torch.dtype]) -> str:
+    """Which dtype the export wrote and why it is (or is not) what the checkpoint holds."""
+    floating = sorted(dtype_name(d) for d in stored if d.is_floating_point)
+    stored_text = "/".join(floating) or "no floating-point tensors"
+    why = ""
+    if opened.kind.startswith("fsdpkit"):
+        precision = (((opened.manifest or {}).get("config") or {}).get("policy") or {}).get("mixed_precision")
+        why = " (the run's master weights" + (f"; policy.mixed_precision={precision!r} computed in lower precision from them"
+                                               if precision not in (None, "fp32") else "") + ")"
+    if target is None or [dtype_name(target)] == floating:
+        hint = "; pass --dtype bf16 to halve the export" if floating == ["float32"] else ""
+        return f"wrote {stored_text} as stored in the checkpoint{why}{hint}"
+    return (f"wrote {dtype_name(target)}, converted from the checkpoint's {stored_text}{why} because the export "
+            "asked for it (--dtype); integer tensors are kept as stored")

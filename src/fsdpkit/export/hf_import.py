@@ -1,0 +1,140 @@
+"""Initialise an (already sharded) model from Hugging Face safetensors, each rank reading only
+the slices it owns.
+
+For every parameter and persistent buffer, a DTensor's local shard is located in the global
+tensor (`compute_local_shape_and_global_offset`, any placements: Shard on any dim, Replicate,
+2-D meshes) and exactly that slice is read with safetensors' `get_slice`, converted to the
+parameter's dtype and copied in. No rank materialises the full model, and no collective runs,
+so ranks may call it at different speeds. Everything is checked before the first copy.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from fsdpkit.checkpoint.errors import CheckpointMismatchError
+from fsdpkit.checkpoint.manifest import dtype_name
+from fsdpkit.export.keys import clean_name
+from fsdpkit.export.safetensors_io import read_header, safetensors_files
+from fsdpkit.model import reset_nonpersistent_buffers
+
+# Buffers that older transformers versions saved but that every model recomputes.
+IGNORED_FILE_KEYS = ("rotary_emb.inv_freq",)
+
+
+def _file_index(hf_dir: Path) -> dict[str, tuple[Path, torch.dtype, list[int]]]:
+    files = [hf_dir] if hf_dir.is_file() else safetensors_files(hf_dir)
+    index = {}
+    for file in files:
+        for name, (dtype, shape, _, _) in read_header(file).tensors.items():
+            index[name] = (file, dtype, shape)
+    return index
+
+
+def _aliases(model: nn.Module) -> dict[str, list[str]]:
+    """State-dict names of the same tensor (tied weights), each name -> all its names."""
+    by_id: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        by_id.setdefault(id(t), []).append(clean_name(name))
+    return {n: names for names in by_id.values() for n in names}
+
+
+def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True) -> dict[str, Any]:
+    """Fill `model`'s parameters and persistent buffers from safetensors in `hf_dir`.
+
+    Works on FSDP2-sharded models (each rank reads its own slices; call it on every rank) and
+    on plain modules. Non-persistent buffers (RoPE `inv_freq`) are not in the files: they are
+    recomputed afterwards. A tied weight absent from the file (transformers writes `lm_head`
+    once, as `model.embed_tokens.weight`) is filled from its twin.
+
+    Args:
+        hf_dir: a Hugging Face folder (model.safetensors, or shards with an index) or one file.
+        strict: missing or unexpected keys are an error (otherwise reported and skipped).
+    Returns:
+        {"loaded", "missing", "unexpected", "ignored", "files", "conversions", "bytes_read", "seconds"}
+        for this rank (`bytes_read` counts only its own slices).
+    Raises:
+        FileNotFoundError: no safetensors there.
+        CheckpointMismatchError: shape mismatches (always) or missing/unexpected keys (strict),
+            listing every key; nothing has been modified then.
+    """
+    t0 = time.perf_counter()
+    hf_dir = Path(hf_dir)
+    if not hf_dir.exists():
+        raise FileNotFoundError(f"{hf_dir} does not exist")
+    index = _file_index(hf_dir)
+    params = {clean_name(k): v for k, v in model.state_dict(keep_vars=True).items()}
+    aliases = _aliases(model)
+    plan: dict[str, str] = {}  # model name -> file key
+    missing, mismatched = [], []
+    for name, t in params.items():
+        source = next((a for a in [name, *aliases.get(name, [])] if a in index), None)
+        if source is None:
+            missing.append(f"{name} {list(t.shape)}")
+            continue
+        shape = index[source][2]
+        if list(t.shape) != shape:
+            mismatched.append(f"{name}: file {shape} ({index[source][0].name}), model {list(t.shape)}")
+            continue
+        plan[name] = source
+    used = set(plan.values())
+    ignored = sorted(k for k in index if k not in used and k.endswith(IGNORED_FILE_KEYS))
+    unexpected = sorted(k for k in index if k not in used and k not in ignored and k not in params)
+    problems = [f"  shape differs: {m}" for m in mismatched]
+    if strict:
+        problems += [f"  missing from {hf_dir.name}: {m}" for m in missing]
+        problems += [f"  not in the model: {u} {index[u][2]}" for u in unexpected]
+    if problems:
+        raise CheckpointMismatchError(
+            f"{hf_dir} does not fit {type(model).__name__} ({len(problems)} problem(s)); nothing was loaded:\n"
+            + "\n".join(problems[:60]) + ("\n  ..." if len(problems) > 60 else "")
+            + "\ncheck the model config against the folder's config.json" + ("" if not strict else ", or pass strict=False to skip "
+                                                                            "missing/unexpected keys")
+        )
+    conversions: Counter[str] = Counter()
+    bytes_read = 0
+    handles: dict[Path, Any] = {}
+    from safetensors import safe_open
+
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, source in plan.items():
+            target = params[name]
+            if id(target) in done:  # the second name of a tied weight
+                continue
+            done.add(id(target))
+            file = index[source][0]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt")
+            local, piece = _local_piece(target)
+            if local.numel() == 0:
+                continue
+            values = handles[file].get_tensor(source) if not piece else handles[file].get_slice(source)[piece]
+            bytes_read += values.numel() * values.element_size()
+            if values.dtype != local.dtype:
+                conversions[f"{dtype_name(values.dtype)}->{dtype_name(local.dtype)}"] += 1
+            local.copy_(values.reshape(local.shape))
+    handles.clear()
+    reset_nonpersistent_buffers(model)
+    return {"loaded": len(plan), "missing": missing, "unexpected": unexpected, "ignored": ignored,
+            "files": sorted({str(index[s][0]) for s in plan.values()}), "conversions": dict(conversions),
+            "bytes_read": bytes_read, "seconds": time.perf_counter() - t0}
+
+
+def _local_piece(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+    """(this rank's local tensor, the global slice it holds); an empty slice tuple for 0-dim."""
+    if isinstance(t, DTensor):
+        local = t.to_local()
+        shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return local, tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+    data = t.data if isinstance(t, nn.Parameter) else t
+    return data, tuple(slice(0, s) for s in t.shape)

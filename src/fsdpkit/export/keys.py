@@ -1,0 +1,94 @@
+"""Which tensors of a checkpoint are the model's weights, and under which names.
+
+DCP flattens a nested state dict into dotted keys and records each key's nested path in its
+metadata (`planner_data`): fsdpkit, Lightning and Accelerate save `{"model": ..., "optim"...}`
+(path `('model', 'lm_head.weight')`), torchtitan saves the model's keys at the top level
+(path `('lm_head.weight',)`). The path tells the two apart even when a model FQN itself starts
+with `model.`, which a prefix test could not. Names are then cleaned of wrapper components.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Module-wrapper components that torch inserts into FQNs (compile, FSDP1, activation
+# checkpointing); removed wherever they appear.
+WRAPPER_COMPONENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+# DDP/DataParallel put `module.` in front of every name; removed at the start only.
+LEADING_WRAPPERS = ("module",)
+# Top-level state-dict entries that are never model weights.
+NON_MODEL_NAMESPACES = frozenset({
+    "optim", "optimizer", "optimizers", "optimizer_states", "rng", "lr_scheduler", "lr_schedulers", "scheduler",
+    "dataloader", "train_state", "trainer", "loops", "callbacks",
+})
+MODEL_NAMESPACE = "model"
+
+
+def clean_name(name: str, *, strip_prefixes: tuple[str, ...] = (), add_prefix: str = "") -> str:
+    """Drop wrapper components, then each user prefix that the name starts with, then add one."""
+    parts = [p for p in name.split(".") if p not in WRAPPER_COMPONENTS]
+    while len(parts) > 1 and parts[0] in LEADING_WRAPPERS:
+        parts = parts[1:]
+    name = ".".join(parts)
+    for prefix in strip_prefixes:
+        if prefix and name.startswith(prefix):
+            name = name[len(prefix):]
+    return add_prefix + name
+
+
+def split_namespace(key: str, key_paths: dict[str, tuple[Any, ...]] | None) -> tuple[str, str]:
+    """(top-level entry, the name below it) of a DCP key; ('', key) for a top-level tensor."""
+    if key_paths and key in key_paths:
+        path = key_paths[key]
+        if len(path) == 1:
+            return "", str(path[0])
+        return str(path[0]), ".".join(str(p) for p in path[1:])
+    top, _, rest = key.partition(".")
+    return (top, rest) if rest else ("", key)
+
+
+def model_weights(keys: list[str], *, key_paths: dict[str, tuple[Any, ...]] | None, namespace: str | None = None,
+                  structured: bool = True, strip_prefixes: tuple[str, ...] = (), add_prefix: str = "") -> dict[str, str]:
+    """Output name -> source key for every model weight, in source order.
+
+    Args:
+        keys: the source's tensor keys.
+        key_paths: DCP's nested path per key, if known.
+        namespace: the top-level state-dict entry holding the model (`model` for fsdpkit);
+            `""` for a flat layout (every tensor outside NON_MODEL_NAMESPACES); None: decide
+            from the paths (`model` if present, else flat).
+        structured: False for sources without namespaces (safetensors): every key is a weight.
+    Raises:
+        ValueError: nothing selected, an undecidable layout, or two keys cleaning to one name.
+    """
+    if not structured:
+        selected = {k: k for k in keys}
+    else:
+        split = {k: split_namespace(k, key_paths) for k in keys}
+        tops = sorted({top for top, _ in split.values()})
+        if namespace is None:
+            if MODEL_NAMESPACE in tops:
+                namespace = MODEL_NAMESPACE
+            elif not [t for t in tops if t and t not in NON_MODEL_NAMESPACES]:
+                namespace = ""
+            else:
+                raise ValueError(
+                    f"cannot tell which tensors are the model's: the checkpoint's top-level entries are {tops}; "
+                    "pass --namespace NAME (the entry holding the model) or --namespace '' (model keys at the top level)"
+                )
+        if namespace:
+            selected = {k: rest for k, (top, rest) in split.items() if top == namespace}
+        else:
+            selected = {k: (f"{top}.{rest}" if top else rest) for k, (top, rest) in split.items()
+                        if top not in NON_MODEL_NAMESPACES}
+        if not selected:
+            raise ValueError(f"no tensors under the namespace {namespace!r}; the checkpoint's top-level entries are "
+                             f"{tops} (pass one of them with --namespace)")
+    out: dict[str, str] = {}
+    for key, name in selected.items():
+        clean = clean_name(name, strip_prefixes=strip_prefixes, add_prefix=add_prefix)
+        if clean in out:
+            raise ValueError(f"{out[clean]!r} and {key!r} both become {clean!r} after removing prefixes; "
+                             "adjust --strip-prefix/--add-prefix")
+        out[clean] = key
+    return out

@@ -1,0 +1,232 @@
+"""Find a tensor's bytes inside a `torch.save` blob without loading it or running its pickle.
+
+Why: DCP's FileSystemWriter stores every tensor chunk as one `torch.save` blob (an uncompressed
+zip: `<prefix>/data.pkl` describes the tensor, `<prefix>/data/<key>` holds the raw storage bytes)
+at a byte range of a `.distcp` file. Knowing where the raw bytes start lets the exporter read
+any rows of a chunk with a plain `pread` into a reused buffer: no copy of the whole chunk, no
+mmap (which would count the file against RLIMIT_AS and the process's RSS).
+
+`data.pkl` is decoded by `_TensorRecordUnpickler`, which accepts exactly the globals a tensor
+pickle names (`torch._utils._rebuild_tensor_v2/_v3`, storage classes, dtypes, OrderedDict) and
+maps them to inert stand-ins that only record sizes and strides. Anything else is refused with
+UnsafeCheckpointError before it could run; nothing in the blob is ever called.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import zipfile
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import IO, Any
+
+import torch
+
+from fsdpkit.checkpoint.errors import CheckpointCorruptError, UnsafeCheckpointError
+
+# The legacy typed-storage classes a tensor pickle names (torch.<Name>), by the dtype they hold.
+_STORAGE_DTYPES: dict[str, torch.dtype] = {
+    "DoubleStorage": torch.float64,
+    "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16,
+    "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64,
+    "IntStorage": torch.int32,
+    "ShortStorage": torch.int16,
+    "CharStorage": torch.int8,
+    "ByteStorage": torch.uint8,
+    "BoolStorage": torch.bool,
+    "ComplexDoubleStorage": torch.complex128,
+    "ComplexFloatStorage": torch.complex64,
+}
+_ZIP_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes; the last two are name and extra lengths
+
+
+@dataclass(frozen=True)
+class TensorPayload:
+    """Where the elements of one saved tensor lie, relative to the start of its blob."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int  # in elements, from `data_start`
+    data_start: int  # byte offset of the storage record's first byte within the blob
+    storage_bytes: int  # length of the storage record
+
+    @property
+    def is_contiguous(self) -> bool:
+        expected, step = [], 1
+        for size in reversed(self.shape):
+            expected.append(step)
+            step *= size
+        return all(size <= 1 or s == e for size, s, e in zip(self.shape, self.stride, reversed(expected), strict=True))
+
+
+@dataclass(frozen=True)
+class _StorageRef:
+    key: str
+    dtype: torch.dtype | None  # None for UntypedStorage (the dtype comes from _rebuild_tensor_v3)
+    numel: int
+
+
+@dataclass(frozen=True)
+class _TensorRecord:
+    storage: _StorageRef
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _rebuild_v2(storage: _StorageRef, storage_offset: int, size: tuple, stride: tuple, *_: Any) -> _TensorRecord:
+    if storage.dtype is None:
+        raise pickle.UnpicklingError("an untyped storage without a dtype")
+    return _TensorRecord(storage, int(storage_offset), tuple(size), tuple(stride), storage.dtype)
+
+
+def _rebuild_v3(storage: _StorageRef, storage_offset: int, size: tuple, stride: tuple, _grad: bool, _hooks: Any,
+                dtype: torch.dtype, *_: Any) -> _TensorRecord:
+    if not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError(f"{dtype!r} is not a dtype")
+    return _TensorRecord(storage, int(storage_offset), tuple(size), tuple(stride), dtype)
+
+
+class _UntypedStorageTag:
+    """Stands for `torch.storage.UntypedStorage` in a persistent id; never instantiated."""
+
+
+class _TensorRecordUnpickler(pickle.Unpickler):
+    """Decodes a tensor's `data.pkl` into a _TensorRecord; refuses every other global."""
+
+    def __init__(self, file: IO[bytes], *, source: str) -> None:
+        super().__init__(file)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_v3
+        if module == "collections" and name == "OrderedDict":
+            return OrderedDict
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _UntypedStorageTag
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _STORAGE_DTYPES[name]
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]
+        raise UnsafeCheckpointError(
+            f"`{self.source}` asks to load `{module}.{name}`, which a saved tensor never needs; refusing to "
+            "unpickle it (nothing was executed). The file is corrupt or was crafted"
+        )
+
+    def persistent_load(self, pid: Any) -> _StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+            raise pickle.UnpicklingError(f"unexpected persistent id {pid!r}")
+        _, storage_type, key, _location, numel = pid
+        dtype = None if storage_type is _UntypedStorageTag else storage_type
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise pickle.UnpicklingError(f"unexpected storage type {storage_type!r}")
+        return _StorageRef(str(key), dtype, int(numel))
+
+
+def _read_record(source: str, pickled: bytes) -> _TensorRecord:
+    try:
+        record = _TensorRecordUnpickler(io.BytesIO(pickled), source=source).load()
+    except UnsafeCheckpointError:
+        raise
+    except Exception as exc:  # any decoding failure of untrusted bytes means "corrupt"
+        raise CheckpointCorruptError(f"`{source}` does not hold a readable saved tensor ({type(exc).__name__}: {exc})") from exc
+    if not isinstance(record, _TensorRecord):
+        raise CheckpointCorruptError(f"`{source}` holds a {type(record).__name__}, not a tensor")
+    return record
+
+
+def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
+    """Parse the `torch.save` zip in `blob` (a seekable view of exactly that blob).
+
+    Reads only the zip directory, `data.pkl` and one local file header (a few hundred bytes).
+
+    Raises:
+        UnsafeCheckpointError: data.pkl names a global outside the tensor allow-list.
+        CheckpointCorruptError: not a zip, compressed, big-endian, or the storage record is short.
+    """
+    try:
+        archive = zipfile.ZipFile(blob)
+    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        raise CheckpointCorruptError(f"`{source}` is not a torch.save archive ({exc}); the file is truncated or garbled") from None
+    with archive:
+        pkl = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
+        if pkl is None:
+            raise CheckpointCorruptError(f"`{source}` has no data.pkl: not a torch.save archive")
+        prefix = pkl.filename[: -len("data.pkl")]
+        names = set(archive.namelist())
+        if f"{prefix}byteorder" in names and archive.read(f"{prefix}byteorder") != b"little":
+            raise CheckpointCorruptError(f"`{source}` was saved big-endian; only little-endian checkpoints are supported")
+        record = _read_record(source, archive.read(pkl))
+        name = f"{prefix}data/{record.storage.key}"
+        if name not in names:
+            raise CheckpointCorruptError(f"`{source}` lacks the storage record {name}")
+        info = archive.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CheckpointCorruptError(f"`{source}`: storage record {name} is compressed; torch.save never does that")
+    blob.seek(info.header_offset)
+    header = blob.read(_ZIP_LOCAL_HEADER.size)
+    if len(header) != _ZIP_LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise CheckpointCorruptError(f"`{source}`: bad zip local header for {name}")
+    fields = _ZIP_LOCAL_HEADER.unpack(header)
+    data_start = info.header_offset + _ZIP_LOCAL_HEADER.size + fields[-2] + fields[-1]
+    itemsize = record.dtype.itemsize
+    needed = (record.storage_offset + _extent(record.shape, record.stride)) * itemsize
+    if info.file_size < needed:
+        raise CheckpointCorruptError(f"`{source}`: storage record holds {info.file_size} bytes, the tensor needs {needed}")
+    blob.seek(0, io.SEEK_END)
+    if data_start + info.file_size > blob.tell():
+        raise CheckpointCorruptError(f"`{source}`: storage record runs past the end of the blob (truncated)")
+    return TensorPayload(dtype=record.dtype, shape=record.shape, stride=record.stride,
+                         storage_offset=record.storage_offset, data_start=data_start, storage_bytes=info.file_size)
+
+
+def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements spanned by a strided tensor (0 when it is empty)."""
+    if any(s == 0 for s in shape):
+        return 0
+    return 1 + sum((size - 1) * st for size, st in zip(shape, stride, strict=True))
+
+
+class FileWindow(io.RawIOBase):
+    """A read-only, seekable view of bytes [start, start + length) of an open binary file.
+
+    Why not DCP's `_create_file_view`: zipfile seeks relative to the end of the archive, which
+    that view does not support.
+    """
+
+    def __init__(self, raw: IO[bytes], start: int, length: int) -> None:
+        super().__init__()
+        self._raw, self._start, self._length, self._pos = raw, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer).cast("B")
+        n = max(0, min(len(view), self._length - self._pos))
+        if n == 0:
+            return 0
+        self._raw.seek(self._start + self._pos)
+        got = self._raw.readinto(view[:n]) or 0
+        self._pos += got
+        return got

@@ -1,0 +1,46 @@
+"""Every tunable of export, import and inspection, with environment overrides (tests shrink them
+to reach the multi-block and multi-shard paths with tiny models)."""
+
+from __future__ import annotations
+
+import os
+import re
+
+BLOCK_BYTES = int(os.environ.get("FSDPKIT_EXPORT_BLOCK_BYTES", str(16 << 20)))
+"""Largest piece of a tensor read, converted and written at a time. Peak memory is READ_AHEAD + 2
+such buffers (twice that when converting dtypes), whatever the model size."""
+
+READ_AHEAD = int(os.environ.get("FSDPKIT_EXPORT_READ_AHEAD", "2"))
+"""Blocks read ahead, in parallel threads, while the current one is written (at least 1)."""
+
+FLUSH_BYTES = int(os.environ.get("FSDPKIT_EXPORT_FLUSH_BYTES", str(128 << 20)))
+"""Start the disk write-back of an output file every this many bytes (posix_fadvise DONTNEED, which
+does not wait), so that flushing overlaps reading instead of all happening in the final fsync;
+0 leaves it all to the final fsync."""
+
+DEFAULT_MAX_SHARD_SIZE = os.environ.get("FSDPKIT_EXPORT_MAX_SHARD_SIZE", "5GB")
+"""Largest output safetensors file of an `hf` export (a tensor larger than this gets a file of its own)."""
+
+VERIFY_THREADS = int(os.environ.get("FSDPKIT_VERIFY_THREADS", "4"))
+"""Threads that recompute file checksums in `fsdpkit ckpt verify`."""
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB' -> 5e9, '500MiB' -> 500 * 2**20, 1024 -> 1024 (decimal units, as Hugging Face uses).
+
+    Raises:
+        ValueError: not a positive size.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+        if not match or match.group(2).upper() not in _UNITS:
+            raise ValueError(f"cannot read {text!r} as a size; write e.g. 5GB, 500MB, 2GiB or a number of bytes")
+        value = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if value <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return value

@@ -1,0 +1,222 @@
+"""`fsdpkit ckpt verify`: is every byte of a checkpoint there and as it was written?
+
+1. Checksums (fsdpkit checkpoints): every file's size and xxh3-64 recomputed and compared with
+   the manifest, files spread over threads (fsdpkit.checkpoint.resume.verify_files).
+2. Structure (any DCP checkpoint): the chunks of every tensor tile its shape; every chunk and
+   non-tensor item listed in `.metadata` has a storage entry whose byte range lies inside an
+   existing file; each chunk's `torch.save` blob is a well-formed archive holding the dtype and
+   shape the metadata promises (zip directory and a vetted data.pkl only: nothing unpickled
+   beyond the allow-lists). Safetensors files: headers parse and sizes add up.
+3. Optionally (`tensors=True`), every tensor's world-size-independent checksum recomputed from
+   the data and compared with the manifest's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.hashing import LINEAR, MASK64, hash_part
+from fsdpkit.checkpoint.layout import MANIFEST
+from fsdpkit.checkpoint.manifest import read_manifest
+from fsdpkit.checkpoint.resume import verify_files
+from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, read_dcp_metadata
+from fsdpkit.export.safetensors_io import INDEX_FILE, read_header, safetensors_files
+from fsdpkit.export.sources import (
+    Chunk,
+    DcpSource,
+    chunk_problems,
+    iter_row_blocks,
+    resolve_checkpoint_dir,
+)
+from fsdpkit.export.tunables import BLOCK_BYTES, VERIFY_THREADS
+
+
+class _Problems:
+    """Problems, each attributed to the file it concerns (or to the checkpoint as a whole)."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str]] = []
+
+    def add(self, file: str, text: str) -> None:
+        self.items.append((file, text))
+
+    def bad_files(self) -> list[str]:
+        return sorted({f for f, _ in self.items if f})
+
+
+def _checksum_problems(ckpt: Path, manifest: dict[str, Any], problems: _Problems, *, threads: int) -> set[str]:
+    """Recompute every recorded file checksum; returns the names of files that failed."""
+    failed = set()
+    for text in verify_files(ckpt, manifest, threads=threads):
+        name = next((n for n in manifest["files"] if text.startswith(f"{ckpt / n} ")), "")
+        problems.add(name, text)
+        failed.add(name)
+    return failed
+
+
+def _dcp_structure(ckpt: Path, problems: _Problems, *, threads: int, skip: frozenset[str] = frozenset()) -> int:
+    """Structural checks of a DCP directory (files in `skip` already failed: not re-reported);
+    returns the number of chunks checked."""
+    try:
+        metadata = read_dcp_metadata(ckpt)
+    except CheckpointError as exc:  # unreadable or crafted: named, nothing run
+        problems.add(METADATA_FILENAME, str(exc))
+        return 0
+    by_file: dict[str, list[tuple[str, Any, Any]]] = defaultdict(list)
+    for key, item in metadata.state_dict_metadata.items():
+        if isinstance(item, TensorStorageMetadata):
+            for text in chunk_problems(key, item):
+                problems.add(METADATA_FILENAME, text)
+            entries = [(MetadataIndex(key, c.offsets), tuple(c.sizes)) for c in item.chunks if all(c.sizes) or not c.sizes]
+        else:
+            entries = [(MetadataIndex(key), None)]
+        for index, sizes in entries:
+            storage = metadata.storage_data.get(index)
+            if storage is None:
+                problems.add(METADATA_FILENAME, f"{key} at {list(index.offset or [])} is listed but no file holds it")
+                continue
+            by_file[storage.relative_path].append((key, sizes, Chunk(tuple(index.offset or ()), sizes or (), storage)))
+
+    def check_file(name: str) -> list[str]:
+        path = ckpt / name
+        if not path.is_file():
+            return [f"{path} is missing ({len(by_file[name])} item(s) of the metadata live there)"]
+        size = path.stat().st_size
+        beyond = [(k, c.storage) for k, _, c in by_file[name] if c.storage.offset + c.storage.length > size]
+        if beyond:
+            k, s = beyond[0]
+            return [f"{path} is truncated: {len(beyond)} item(s) lie beyond its end ({size} bytes), first {k} "
+                    f"at bytes {s.offset}..{s.offset + s.length}"]
+        source = DcpSource(ckpt, metadata=metadata)
+        found = []
+        try:
+            for key, sizes, chunk in by_file[name]:
+                if sizes is None:  # a pickled item: its byte range was checked, its content is never loaded
+                    continue
+                try:
+                    source.payload(key, chunk)
+                except CheckpointError as exc:
+                    found.append(f"{path}: {exc}")
+        finally:
+            source.close()
+        return found
+
+    names = sorted(set(by_file) - skip)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for name, found in zip(names, pool.map(check_file, names), strict=True):
+            for text in found:
+                problems.add(name, text)
+    return sum(len(v) for v in by_file.values())
+
+
+def _tensor_checksums(ckpt: Path, manifest: dict[str, Any], problems: _Problems, *, threads: int) -> int:
+    """Recompute the manifest's per-tensor checksums from the data, tensor by tensor, with the
+    algorithm the checkpoint was saved with (row blocks hash independently: see hashing.py)."""
+    metadata = read_dcp_metadata(ckpt)
+    keys = sorted(manifest.get("tensors", {}))
+    algorithm = manifest.get("tensor_hash", LINEAR)  # checkpoints from before it was recorded used `linear`
+
+    def check(shard: list[str]) -> list[tuple[str, str]]:
+        source = DcpSource(ckpt, metadata=metadata)
+        tensors, found = source.tensors(), []
+        try:
+            for key in shard:
+                if key not in tensors:
+                    found.append((METADATA_FILENAME, f"{key} has a checksum in {MANIFEST} but is not in the metadata"))
+                    continue
+                info, total = tensors[key], 0
+                for a, b in iter_row_blocks(info, block_bytes=BLOCK_BYTES):
+                    total += hash_part(source.read_rows(key, a, b), first_row=a, algorithm=algorithm)
+                digest, expected = f"{total & MASK64:016x}", manifest["tensors"][key]["hash"]
+                if digest != expected:
+                    files = sorted({c.storage.relative_path for c in source.chunks(key)})
+                    found.append((",".join(files), f"{key}: tensor checksum {digest}, the manifest says {expected} "
+                                                   f"(data in {', '.join(files)} changed)"))
+        finally:
+            source.close()
+        return found
+
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        for found in pool.map(check, [keys[i::threads] for i in range(threads)]):
+            for file, text in found:
+                problems.add(file, text)
+    return len(keys)
+
+
+def _safetensors_structure(folder: Path, files: list[Path], problems: _Problems) -> None:
+    for file in files:
+        if not file.is_file():
+            problems.add(file.name, f"{file} is missing")
+            continue
+        try:
+            header = read_header(file)
+        except CheckpointError as exc:
+            problems.add(file.name, str(exc))
+            continue
+        if (folder / INDEX_FILE).is_file():
+            weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
+            listed = {k for k, f in weight_map.items() if f == file.name}
+            if listed != set(header.tensors):
+                problems.add(file.name, f"{file} holds {len(header.tensors)} tensors, the index assigns it {len(listed)}")
+
+
+def verify_checkpoint(path: str | os.PathLike, *, threads: int = VERIFY_THREADS, tensors: bool = False) -> dict[str, Any]:
+    """Verify a checkpoint; never raises for what it finds, only for a path that is no checkpoint.
+
+    Returns:
+        {"path", "kind", "ok", "problems": [...], "bad_files": [...], "checked": {...}, "checksums": str}
+    Raises:
+        FileNotFoundError: nothing checkpoint-like at `path`.
+    """
+    ckpt = resolve_checkpoint_dir(path)
+    problems = _Problems()
+    checked: dict[str, int] = {}
+    checksums = "none recorded"
+    if ckpt.is_file():
+        kind = "safetensors"
+        checksums = "none recorded (safetensors): header and size checked only"
+        _safetensors_structure(ckpt.parent, [ckpt], problems)
+        checked["files"] = 1
+    elif (ckpt / MANIFEST).is_file():
+        kind = "fsdpkit"
+        try:
+            manifest = read_manifest(ckpt)
+        except CheckpointError as exc:
+            problems.add(MANIFEST, str(exc))
+            manifest = None
+        if manifest is not None:
+            failed = _checksum_problems(ckpt, manifest, problems, threads=threads)
+            checked["files"] = len(manifest["files"])
+            checksums = f"recomputed for {len(manifest['files'])} files"
+            if manifest.get("state_dict_type", "sharded") == "full":
+                kind = "fsdpkit-full"
+                _safetensors_structure(ckpt, [ckpt / n for n in manifest["files"] if n.endswith(".safetensors") and n not in failed], problems)
+            elif METADATA_FILENAME not in failed:
+                checked["chunks"] = _dcp_structure(ckpt, problems, threads=threads, skip=frozenset(failed))
+                if tensors and not problems.items:
+                    checked["tensor_checksums"] = _tensor_checksums(ckpt, manifest, problems, threads=threads)
+                    checksums += f" and {checked['tensor_checksums']} tensors"
+    elif (ckpt / METADATA_FILENAME).is_file():
+        kind = "dcp"
+        checksums = "none recorded (plain DCP checkpoint): structure checked only"
+        checked["chunks"] = _dcp_structure(ckpt, problems, threads=threads)
+    else:
+        kind = "safetensors"
+        try:
+            files = safetensors_files(ckpt)
+        except CheckpointError as exc:
+            problems.add(INDEX_FILE, str(exc))
+            files = []
+        checksums = "none recorded (safetensors): headers and sizes checked only"
+        _safetensors_structure(ckpt, files, problems)
+        checked["files"] = len(files)
+    return {"path": str(ckpt), "kind": kind, "ok": not problems.items, "problems": [t for _, t in problems.items],
+            "bad_files": problems.bad_files(), "checked": checked, "checksums": checksums}
