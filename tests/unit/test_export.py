@@ -4,7 +4,6 @@ and 2-D block layouts, 0-dim, integer tensors), inspect/verify/diff, and load_hf
 
 from __future__ import annotations
 
-import ast
 import io
 import json
 import os
@@ -392,19 +391,3 @@ def test_load_hf_weights_names_every_missing_unexpected_and_reshaped_key(tmp_pat
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     report = load_hf_weights(dst, tmp_path, strict=False)
     assert report["missing"] == ["model.norm.weight [32]"] and report["unexpected"] == ["model.extra.weight"]
-
-
-def _imports(path: Path) -> set[str]:
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-        elif isinstance(node, ast.Import):
-            names.update(a.name for a in node.names)
-    return names
-
-
-def test_export_imports_point_one_way():
-    for path in (SRC / "export").rglob("*.py"):
-        bad = [m for m in _imports(path) if m.startswith(("fsdpkit.train", "fsdpkit.cli", "fsdpkit.parallel", "fsdpkit.diagnostics"))]
-        assert not bad, f"{path.relative_to(SRC)} imports {bad}"

@@ -49,7 +49,8 @@ def _imports(path: Path) -> set[str]:
         ("config", ("fsdpkit.model", "fsdpkit.parallel", "fsdpkit.train", "fsdpkit.cli", "fsdpkit.data")),
         ("train", ("fsdpkit.cli",)),
         ("checkpoint", ("fsdpkit.train", "fsdpkit.cli", "fsdpkit.diagnostics")),
-        ("diagnostics", ("fsdpkit.train", "fsdpkit.cli", "fsdpkit.checkpoint", "fsdpkit.parallel")),
+        ("diagnostics", ("fsdpkit.train", "fsdpkit.cli", "fsdpkit.checkpoint", "fsdpkit.export", "fsdpkit.parallel",
+                         "fsdpkit.data")),
         ("export", ("fsdpkit.train", "fsdpkit.cli", "fsdpkit.diagnostics", "fsdpkit.parallel")),
     ],
 )
@@ -57,3 +58,7 @@ def test_imports_point_one_way(package, forbidden):
     for path in (SRC / package).rglob("*.py"):
         bad = [m for m in _imports(path) if m.startswith(forbidden)]
         assert not bad, f"{path.relative_to(SRC)} imports {bad}"
+
+
+def test_plot_command_imports_matplotlib_and_torch_lazily():
+    assert not [m for m in _imports(SRC / "cli" / "plot.py") if m.startswith(("matplotlib", "torch"))]
