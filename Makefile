@@ -21,6 +21,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
+	$(BIN)/python bench/checkpoint.py
+	$(BIN)/python bench/export.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

@@ -1,0 +1,610 @@
+"""The distributed phases of bench/checkpoint.py; it runs them under torchrun (see its docstring).
+
+Each phase builds the synthetic model on the ranks it was launched with, runs the benchmarks it
+was asked for, and rank 0 writes `<workdir>/result_<phase>_<nproc>_<size>.json` for the
+orchestrator. Every figure here is a wall time on rank 0's clock between barriers of a dedicated
+gloo group, or the maximum over ranks where each rank measures its own (stalls, memory).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from fsdpkit.checkpoint.async_save import AsyncSaver
+from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary
+from fsdpkit.checkpoint.resume import load_checkpoint
+from fsdpkit.checkpoint.save import save_checkpoint
+from fsdpkit.checkpoint.state import CheckpointTarget, flatten
+
+MiB = 2**20
+BATCH = 16  # rows per forward of the real step (only the setup step and its timing use it)
+N_BASE_STEPS = 3  # B2: steps timed before each save, with nothing in flight
+SAMPLE_S = 0.002  # RSS sampling period
+MATMUL = 512  # the fixed-cost step's burst is [512, 512] matmuls (~5 ms each): few GIL hand-offs per step
+B6_MODES = ("no checkpoint", "fsdpkit sync", "fsdpkit AsyncSaver", "dcp.async_save")
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_LIBC = ctypes.CDLL("libc.so.6")
+
+
+# -- small helpers ---------------------------------------------------------------------------
+def log(msg: str) -> None:
+    if tdist.get_rank() == 0:
+        print(f"[checkpoint bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def max_over_ranks(x: float, group) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    tdist.all_reduce(t, op=tdist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def gather(obj: Any, group) -> list[Any]:
+    out: list[Any] = [None] * tdist.get_world_size(group)
+    tdist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def timed(fn: Callable[[], Any], group) -> tuple[Any, float]:
+    """Run `fn` on every rank between barriers; (its result, seconds until the last rank finished)."""
+    tdist.barrier(group=group)
+    t0 = time.perf_counter()
+    out = fn()
+    return out, max_over_ranks(time.perf_counter() - t0, group)
+
+
+def remove(path: Path, group) -> None:
+    """Delete a checkpoint directory between runs (rank 0), so the disk never fills."""
+    tdist.barrier(group=group)
+    if tdist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+    tdist.barrier(group=group)
+
+
+def drop_page_cache(root: Path) -> None:
+    """Evict the checkpoint's (clean, fsynced) pages from the page cache: posix_fadvise(DONTNEED)."""
+    for f in root.rglob("*"):
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def _vm_hwm() -> int | None:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def trim() -> None:
+    """Collect garbage and hand freed heap pages back, so that 'RSS before' is not inflated by
+    what an earlier measurement freed (glibc keeps it otherwise)."""
+    gc.collect()
+    _LIBC.malloc_trim(0)
+
+
+class PeakRSS:
+    """Peak resident set size while the block runs: the larger of a sampling thread's maximum
+    (every SAMPLE_S) and the kernel's VmHWM after resetting it (writing 5 to clear_refs)."""
+
+    def __enter__(self) -> PeakRSS:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+            self._hwm_reset = True
+        except OSError:
+            self._hwm_reset = False
+        self.sampled = rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self.sampled = max(self.sampled, rss())
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sampled = max(self.sampled, rss())
+        self.hwm = _vm_hwm() if self._hwm_reset else None
+        self.peak = max(self.sampled, self.hwm or 0)
+
+
+# -- the synthetic model ---------------------------------------------------------------------
+class TrainCounter:
+    """The trainer's step counter, stored in the manifest as a Stateful (load verification
+    compares it with the optimizer's step count, under the name "train")."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+@dataclass
+class Bench:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    counter: TrainCounter
+    target: CheckpointTarget
+    fingerprint: dict[str, Any]
+    n_layers: int
+    width: int
+    sync_group: Any  # saves, loads and the benchmark's own barriers
+    fsdpkit_async_group: Any  # AsyncSaver's background thread only
+    dcp_async_group: Any  # dcp.async_save's background thread only
+    base_rss: int  # RSS before the model existed (torch imported, process group up)
+    state_bytes: int = 0  # this rank's model + optimizer tensor bytes
+    real_step_s: float = 0.0
+
+    @property
+    def rank(self) -> int:
+        return tdist.get_rank()
+
+
+def build_bench(size_gib: float, width: int) -> Bench:
+    """nn.Linear(width, width) layers, each fully_shard-ed, then the root; AdamW; one real step.
+    The layer count makes params + exp_avg + exp_avg_sq (fp32) total `size_gib` over all ranks."""
+    groups = [tdist.new_group(backend="gloo") for _ in range(3)]
+    base_rss = rss()
+    n_layers = max(1, round(size_gib * 2**30 / (12 * width * width)))
+    mesh = init_device_mesh("cpu", (tdist.get_world_size(),))
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(n_layers)))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(1234 + tdist.get_rank())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0.0, width**-0.5, generator=gen)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    counter = TrainCounter()
+    target = CheckpointTarget(model=model, optimizer=optimizer, stateful={"train": counter})
+    fingerprint = model_fingerprint(model, sharding={"wrap_policy": ["Linear"], "activation_checkpointing": [],
+                                                     "mixed_precision": "fp32", "reshard_after_forward": True,
+                                                     "compiled": False})
+    b = Bench(model=model, optimizer=optimizer, counter=counter, target=target, fingerprint=fingerprint,
+              n_layers=n_layers, width=width, sync_group=groups[0], fsdpkit_async_group=groups[1],
+              dcp_async_group=groups[2], base_rss=base_rss)
+    _, b.real_step_s = timed(lambda: real_step(b), b.sync_group)  # the AdamW state exists from here on
+    b.state_bytes = sum(t.nbytes for t in local_tensors(b, with_steps=True))
+    return b
+
+
+def real_step(b: Bench) -> None:
+    """One forward/backward/AdamW step of the synthetic model."""
+    x = torch.randn(BATCH, b.width)
+    b.model(x).pow(2).mean().backward()
+    b.optimizer.step()
+    b.optimizer.zero_grad(set_to_none=True)
+    b.counter.step += 1
+
+
+def local_tensors(b: Bench, *, with_steps: bool = False) -> list[torch.Tensor]:
+    """This rank's shards of every model and optimizer tensor (the live storage a save reads)."""
+    model_sd, optim_sd = get_state_dict(b.model, b.optimizer)
+    flat = flatten({"model": model_sd, "optim": optim_sd})
+    out = []
+    for key, v in flat.items():
+        if isinstance(v, torch.Tensor) and (with_steps or not key.endswith(".step")):
+            out.append(v.to_local() if isinstance(v, DTensor) else v)
+    return out
+
+
+class FixedStep:
+    """A fixed-cost training step: a matmul burst calibrated on rank 0 to `burst_ms`, an in-place
+    add on every model and optimizer tensor shard (so an async snapshot really races with
+    mutation, and the step streams the state through memory as AdamW does), and a one-element
+    all-reduce that keeps the ranks in lockstep as a gradient reduction would."""
+
+    def __init__(self, b: Bench, burst_ms: float):
+        self.b, self.tensors = b, local_tensors(b)
+        self.a = torch.randn(MATMUL, MATMUL)
+        self.c = torch.empty(MATMUL, MATMUL)
+        self.flag = torch.zeros(1)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            torch.mm(self.a, self.a, out=self.c)
+        per_mm = (time.perf_counter() - t0) / 10
+        n = torch.tensor([round(burst_ms / 1000 / per_mm)], dtype=torch.int64)
+        tdist.broadcast(n, src=0, group=b.sync_group)
+        self.n_mm = int(n)
+        self.n = 0
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for _ in range(self.n_mm):
+            torch.mm(self.a, self.a, out=self.c)
+        torch._foreach_add_(self.tensors, 1e-7)
+        tdist.all_reduce(self.flag)
+        self.n += 1  # not an optimizer step: the trainer's counter (checked against AdamW's on load) stays
+
+    def median_s(self, n: int = 5) -> float:
+        times = []
+        for _ in range(n):
+            _, dt = timed(self, self.b.sync_group)
+            times.append(dt)
+        return statistics.median(times)
+
+
+# -- the save methods ------------------------------------------------------------------------
+def meta(b: Bench) -> dict[str, Any]:
+    """What Checkpointer._meta adds to the manifest (fingerprint cached, as it caches it)."""
+    return {"fingerprint": b.fingerprint, "optimizer": optimizer_summary(b.optimizer, step=b.counter.step),
+            "metrics": {}}
+
+
+def dcp_state(b: Bench) -> dict[str, Any]:
+    model_sd, optim_sd = get_state_dict(b.model, b.optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def save_fsdpkit(b: Bench, root: Path, label: int | None = None) -> dict[str, Any]:
+    step = b.counter.step if label is None else label
+    return save_checkpoint(b.target, ckpt_dir=root / f"step_{step}", step=step, meta=meta(b), group=b.sync_group)
+
+
+def save_dcp(b: Bench, root: Path) -> None:
+    dcp.save(dcp_state(b), storage_writer=FileSystemWriter(root, sync_files=True), process_group=b.sync_group)
+
+
+def save_torch(b: Bench, root: Path) -> None:
+    """The classic recipe: gather the full state dict to rank 0 (CPU), torch.save it, fsync."""
+    model_sd, optim_sd = get_state_dict(b.model, b.optimizer,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if b.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        with open(root / "checkpoint.pt", "wb") as f:
+            torch.save({"model": model_sd, "optim": optim_sd}, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+SYNC_SAVES: dict[str, Callable[[Bench, Path], Any]] = {
+    "fsdpkit save_checkpoint": save_fsdpkit, "dcp.save": save_dcp, "torch.save (rank 0, full)": save_torch}
+
+
+class AsyncMethod:
+    """Start an async save (returning once the loop may go on) and later wait for it, reporting
+    when it became durable (perf_counter on this rank; rank 0 commits)."""
+
+    def __init__(self, b: Bench, kind: str):
+        self.b, self.kind = b, kind
+        self.saver = AsyncSaver(group=b.fsdpkit_async_group) if kind == "fsdpkit AsyncSaver" else None
+        self.stager = (DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                    use_async_staging=False, use_non_blocking_copy=False))
+                       if kind == "dcp.async_save + DefaultStager" else None)
+        self._pending: Any = None
+
+    def start(self, root: Path, label: int = 0) -> None:
+        """Save into root/step_<label> (the label names the directory and the manifest's step)."""
+        b = self.b
+        ckpt_dir = root / f"step_{label}"
+        if self.saver is not None:
+            _, running = self.saver.save(b.target, ckpt_dir=ckpt_dir, step=label, meta=meta(b))
+            self._pending = (time.perf_counter(), running)
+            return
+        if self._pending is not None:  # at most one in flight, as AsyncSaver does
+            self.finish()
+        done: list[float] = []
+        fut = dcp.async_save(dcp_state(b), storage_writer=FileSystemWriter(ckpt_dir, sync_files=True),
+                             process_group=b.dcp_async_group, async_stager=self.stager)
+        fut.add_done_callback(lambda _: done.append(time.perf_counter()))
+        self._pending = (fut, done)
+
+    def finish(self) -> float | None:
+        """Wait for the save in flight; when it became durable (None if none was in flight)."""
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        if self.saver is not None:
+            t_returned, _ = pending
+            result = self.saver.wait()
+            return t_returned + result.background_s
+        fut, done = pending
+        fut.result()
+        return done[0]
+
+    def close(self) -> None:
+        self.finish()
+        if self.saver is not None:
+            self.saver.close()
+        if self.stager is not None:
+            self.stager.close()
+
+
+ASYNC_KINDS = ("fsdpkit AsyncSaver", "dcp.async_save", "dcp.async_save + DefaultStager")
+FIRST_REPORTED = ("fsdpkit AsyncSaver", "dcp.async_save + DefaultStager")  # they allocate a buffer once
+
+
+# -- B1: synchronous save --------------------------------------------------------------------
+def bench_b1(b: Bench, root: Path, runs: int) -> dict[str, Any]:
+    names = list(SYNC_SAVES)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    fsdpkit_timings = []
+    for r in range(runs):
+        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate: no method always first
+            path = root / f"b1_{r}"
+            out, dt = timed(lambda: SYNC_SAVES[name](b, path), b.sync_group)  # noqa: B023 - called at once
+            times[name].append(dt)
+            if name == "fsdpkit save_checkpoint" and b.rank == 0:
+                fsdpkit_timings.append(out["timings"])
+            remove(path, b.sync_group)
+        log(f"B1 run {r + 1}/{runs}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in names))
+    return {"seconds": times, "median_s": {n: med(times[n]) for n in names},
+            "fsdpkit_manifest_timings": fsdpkit_timings}
+
+
+# -- B2: async stall ---------------------------------------------------------------------------
+def one_async_save(b: Bench, method: AsyncMethod, root: Path, step: FixedStep, n_during: int) -> dict[str, Any]:
+    base = [timed(step, b.sync_group)[1] for _ in range(N_BASE_STEPS)]
+    tdist.barrier(group=b.sync_group)
+    t0 = time.perf_counter()
+    method.start(root)
+    stall = time.perf_counter() - t0
+    during = []
+    for _ in range(n_during):
+        s = time.perf_counter()
+        step()
+        during.append((s, time.perf_counter()))
+    t_done = method.finish()
+    stall = max_over_ranks(stall, b.sync_group)
+    remove(root, b.sync_group)
+    return {"stall_s": stall, "durable_s": t_done - t0, "base_step_s": base,
+            "in_flight_step_s": [e - s for s, e in during if s < t_done],
+            "after_step_s": [e - s for s, e in during if s >= t_done]}
+
+
+def bench_b2(b: Bench, root: Path, runs: int, *, sync_s: float, step: FixedStep) -> dict[str, Any]:
+    step_s = step.median_s()
+    n = torch.tensor([min(40, max(3, math.ceil(1.5 * sync_s / step_s)))])
+    tdist.broadcast(n, src=0, group=b.sync_group)  # every rank runs the same number of steps
+    n_during = int(n)
+    capture = []
+    for _ in range(5):  # the part of fsdpkit's stall that is not a copy: get_state_dict
+        t0 = time.perf_counter()
+        b.target.tensor_state(rank=b.rank)
+        capture.append(time.perf_counter() - t0)
+    methods = {k: AsyncMethod(b, k) for k in ASYNC_KINDS}
+    first = {k: one_async_save(b, methods[k], root / "b2_first", step, n_during) for k in FIRST_REPORTED}
+    per_run: dict[str, list[dict[str, Any]]] = {k: [] for k in ASYNC_KINDS}
+    for r in range(runs):
+        for k in ASYNC_KINDS[r % 3:] + ASYNC_KINDS[: r % 3]:
+            per_run[k].append(one_async_save(b, methods[k], root / f"b2_{r}", step, n_during))
+        log(f"B2 run {r + 1}/{runs}: stall " + ", ".join(f"{k} {per_run[k][-1]['stall_s'] * 1e3:.0f} ms"
+                                                          for k in ASYNC_KINDS))
+    for m in methods.values():
+        m.close()
+    summary = {}
+    for k, rows in per_run.items():
+        base = [x for row in rows for x in row["base_step_s"]]
+        flight = [x for row in rows for x in row["in_flight_step_s"]]
+        summary[k] = {"stall_median_s": med([row["stall_s"] for row in rows]),
+                      "durable_median_s": med([row["durable_s"] for row in rows]),
+                      "first_stall_s": first[k]["stall_s"] if k in first else None,
+                      "first_durable_s": first[k]["durable_s"] if k in first else None,
+                      "step_median_s": med(base), "in_flight_step_median_s": med(flight),
+                      "in_flight_steps": len(flight),
+                      "step_slowdown": med(flight) / med(base) if flight and base else None}
+    return {"fixed_step_s": step_s, "steps_per_save": n_during, "n_base_steps": N_BASE_STEPS,
+            "fsdpkit_capture_median_s": max_over_ranks(med(capture), b.sync_group),
+            "summary": summary, "first": first, "runs": per_run}
+
+
+# -- B3: peak memory -------------------------------------------------------------------------
+def measure_rss(b: Bench, fn: Callable[[], Any]) -> dict[str, Any]:
+    trim()
+    tdist.barrier(group=b.sync_group)
+    before = rss()
+    with PeakRSS() as peak:
+        fn()
+    after = rss()
+    rows = gather({"before": before, "peak": peak.peak, "sampled": peak.sampled, "hwm": peak.hwm, "after": after,
+                   "base": b.base_rss, "state": b.state_bytes}, b.sync_group)
+    return {"per_rank": rows,
+            "peak_mib": max(r["peak"] for r in rows) / MiB,
+            "increase_mib": max(r["peak"] - r["before"] for r in rows) / MiB,
+            "footprint_over_state": max((r["peak"] - r["base"]) / r["state"] for r in rows),
+            "footprint_mib": max(r["peak"] - r["base"] for r in rows) / MiB,
+            "retained_after_mib": max(r["after"] - r["before"] for r in rows) / MiB}
+
+
+def bench_b3(b: Bench, root: Path, runs: int) -> dict[str, Any]:
+    out: dict[str, list[dict[str, Any]]] = {}
+
+    def record(name: str, fn: Callable[[], Any]) -> None:
+        out.setdefault(name, []).append(measure_rss(b, fn))
+        remove(root, b.sync_group)
+
+    for _ in range(runs):
+        for name, save in SYNC_SAVES.items():
+            record(name, lambda save=save: save(b, root))
+    for kind in ASYNC_KINDS:
+        method = AsyncMethod(b, kind)
+        for i in range(runs + (kind in FIRST_REPORTED)):
+            label = kind + (" (first: allocates)" if kind in FIRST_REPORTED and i == 0 else "")
+            record(label, lambda m=method: (m.start(root), m.finish()))
+        method.close()
+        del method
+        trim()
+    log("B3: " + ", ".join(f"{k} +{max(r['increase_mib'] for r in v):.0f} MiB" for k, v in out.items()))
+    return {"methods": out, "state_bytes_per_rank": gather(b.state_bytes, b.sync_group),
+            "base_rss_per_rank": gather(b.base_rss, b.sync_group), "sample_period_s": SAMPLE_S}
+
+
+# -- B4 / B5: load ---------------------------------------------------------------------------
+def load_dcp_plain(b: Bench, path: Path) -> None:
+    state = dcp_state(b)
+    dcp.load(state, storage_reader=FileSystemReader(path), process_group=b.sync_group)
+    set_state_dict(b.model, b.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def bench_load(b: Bench, path: Path, runs: int) -> dict[str, Any]:
+    """Cold-ish loads of `path` (page cache dropped with posix_fadvise before each)."""
+    variants: dict[str, Callable[[], Any]] = {
+        "fsdpkit load_checkpoint": lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint,
+                                                           group=b.sync_group, verify=False),
+        "fsdpkit load_checkpoint, verify=True": lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint,
+                                                                        group=b.sync_group, verify=True),
+        "dcp.load + set_state_dict": lambda: load_dcp_plain(b, path),
+    }
+    names = list(variants)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    verify_s = []
+    for r in range(runs):
+        for name in names[r % 3:] + names[: r % 3]:
+            drop_page_cache(path)
+            report, dt = timed(variants[name], b.sync_group)
+            times[name].append(dt)
+            if name.endswith("verify=True"):
+                verify_s.append(report["verify_s"])
+        log(f"load on {tdist.get_world_size()} ranks, run {r + 1}/{runs}: "
+            + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in names))
+    return {"seconds": times, "median_s": {n: med(times[n]) for n in names}, "verify_part_median_s": med(verify_s)}
+
+
+# -- B6: goodput -----------------------------------------------------------------------------
+def b6_run(b: Bench, root: Path, mode: str, *, steps: int, every: int, step: FixedStep) -> dict[str, Any]:
+    """One run of `steps` fixed-cost steps with a save every `every` (none for "no checkpoint")."""
+    method = AsyncMethod(b, mode) if mode in ASYNC_KINDS else None
+    stalls, step_s = [], []
+    tdist.barrier(group=b.sync_group)
+    t0 = time.perf_counter()
+    for s in range(1, steps + 1):
+        ts = time.perf_counter()
+        step()
+        step_s.append(time.perf_counter() - ts)
+        if mode == "no checkpoint" or s % every:
+            continue
+        ts = time.perf_counter()
+        if method is None:
+            save_fsdpkit(b, root, label=s)
+        else:
+            method.start(root, label=s)
+        stalls.append(time.perf_counter() - ts)
+    loop = max_over_ranks(time.perf_counter() - t0, b.sync_group)
+    t1 = time.perf_counter()
+    if method is not None:
+        method.close()
+    drain = max_over_ranks(time.perf_counter() - t1, b.sync_group)
+    remove(root, b.sync_group)
+    log(f"B6 {mode}: {loop:.2f} s for {steps} steps (+{drain:.2f} s until the last save is durable)")
+    # against this run's own median step: insensitive to a load drift between runs (rank 0's steps)
+    own = (loop / (steps * statistics.median(step_s)) - 1) * 100
+    return {"loop_s": loop, "drain_s": drain, "stall_s": stalls, "own_median_overhead_pct": own}
+
+
+def bench_b6(b: Bench, root: Path, *, steps: int, every: int, rounds: int, step: FixedStep) -> dict[str, Any]:
+    out: dict[str, Any] = {"fixed_step_s": step.median_s(), "n_matmul": step.n_mm, "rounds": rounds}
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in B6_MODES}
+    for r in range(rounds):  # A B C D, D C B A, ...: a linear drift in machine load cancels in the means
+        for mode in B6_MODES if r % 2 == 0 else B6_MODES[::-1]:
+            runs[mode].append(b6_run(b, root, mode, steps=steps, every=every, step=step))
+    base = statistics.fmean(x["loop_s"] for x in runs["no checkpoint"])
+    for mode, rows in runs.items():
+        stalls = [s for x in rows for s in x["stall_s"]]
+        loop = statistics.fmean(x["loop_s"] for x in rows)
+        out[mode] = {"runs": rows, "loop_s": [x["loop_s"] for x in rows], "loop_mean_s": loop,
+                     "overhead_pct": (loop / base - 1) * 100, "saves_per_run": len(rows[0]["stall_s"]),
+                     "stall_mean_s": statistics.fmean(stalls) if stalls else 0.0,
+                     "drain_mean_s": statistics.fmean(x["drain_s"] for x in rows),
+                     "own_median_overhead_pct": statistics.fmean(x["own_median_overhead_pct"] for x in rows)}
+    return out
+
+
+# -- phases ----------------------------------------------------------------------------------
+def run_phase(args) -> None:
+    torch.set_num_threads(1)
+    tdist.init_process_group(backend="gloo")
+    only = set(args.only)
+    workdir = Path(args.workdir)
+    size = args.phase_size_gib
+    b = build_bench(size, args.width)
+    ws = tdist.get_world_size()
+    log(f"phase {args.phase} on {ws} ranks: {b.n_layers} x Linear({b.width}, {b.width}), "
+        f"{b.state_bytes / MiB:.0f} MiB of state per rank, a real step took {b.real_step_s:.2f} s")
+    res: dict[str, Any] = {"phase": args.phase, "world_size": ws, "size_gib": size, "n_layers": b.n_layers,
+                           "width": b.width, "state_bytes_per_rank": gather(b.state_bytes, b.sync_group),
+                           "real_step_s": b.real_step_s, "loadavg_start": os.getloadavg()}
+    root = workdir / f"ckpt_{args.phase}_{ws}_{size:g}"
+    src = workdir / f"src_{size:g}"  # saved by the main phase, loaded by every phase
+    if args.phase == "main":
+        if "B3" in only:
+            res["B3"] = bench_b3(b, root, args.b3_runs)
+        if "B1" in only:
+            res["B1"] = bench_b1(b, root, args.runs)
+        if "B2" in only:
+            if "B1" in res:
+                sync_s = res["B1"]["median_s"]["fsdpkit save_checkpoint"]
+            else:
+                _, sync_s = timed(lambda: save_fsdpkit(b, root), b.sync_group)
+                remove(root, b.sync_group)
+            res["B2"] = bench_b2(b, root, args.runs, sync_s=sync_s, step=FixedStep(b, args.step_ms))
+            res["B2"]["sync_save_s"] = sync_s
+        if only & {"B4", "B5"}:
+            save_fsdpkit(b, src)
+        if "B4" in only:
+            res["B4"] = bench_load(b, src / f"step_{b.counter.step}", args.runs)
+    elif args.phase == "load":
+        steps = [p for p in src.iterdir() if p.name.startswith("step_")]
+        res["B5"] = bench_load(b, steps[0], args.runs)
+    elif args.phase == "goodput":
+        res["B6"] = bench_b6(b, root, steps=args.b6_steps, every=args.b6_every, rounds=args.b6_rounds,
+                             step=FixedStep(b, args.step_ms))
+    res["loadavg_end"] = os.getloadavg()
+    if b.rank == 0:
+        (workdir / f"result_{args.phase}_{ws}_{size:g}.json").write_text(json.dumps(res, indent=1))
+    b = None  # drop model and optimizer references before teardown (see FIELD-NOTES: abort at exit)
+    gc.collect()
+    tdist.barrier()
+    tdist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
