@@ -30,7 +30,6 @@ log = logging.getLogger("fsdpkit.checkpoint")
 # prove that `fsdpkit resume-check` catches state that a resume loses.
 SKIP_RESTORE_ENV = "FSDPKIT_TEST_SKIP_RESTORE"
 METRICS_IN_MANIFEST = ("loss", "val_loss", "grad_norm")
-N_FLAGS = 2  # local_flags(): [time cadence due, background save failed]
 
 
 def _gloo_group(timeout_s: float) -> tdist.ProcessGroup | None:
