@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from fsdpkit import dist
 from fsdpkit.checkpoint.async_save import AsyncSaver
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary
 from fsdpkit.checkpoint.resume import load_checkpoint
@@ -602,9 +603,7 @@ def run_phase(args) -> None:
     if b.rank == 0:
         (workdir / f"result_{args.phase}_{ws}_{size:g}.json").write_text(json.dumps(res, indent=1))
     b = None  # drop model and optimizer references before teardown (see FIELD-NOTES: abort at exit)
-    gc.collect()
-    tdist.barrier()
-    tdist.destroy_process_group()
+    dist.shutdown()  # collect, barrier, destroy
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -26,7 +26,6 @@ rank 0 prints a markdown table and writes bench/results/overhead.json.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import os
@@ -177,9 +176,7 @@ def worker(args: argparse.Namespace) -> None:
         report(args, check, per_round, global_tokens, n_params, load)
     trainer.metrics.close()
     trainer = baseline = sides = None  # drop model and optimizer references before teardown
-    gc.collect()
-    tdist.barrier()
-    tdist.destroy_process_group()
+    dist.shutdown()  # collect, barrier, destroy
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
