@@ -48,7 +48,6 @@ class SaveResult:
     wait_s: float = 0.0  # of which: waiting for the previous save to finish
     background_s: float = 0.0  # writing, checksums and commit after the loop went on
     manifest: dict[str, Any] = field(default_factory=dict)
-    error: BaseException | None = None
 
     @property
     def bytes_per_rank(self) -> list[int]:

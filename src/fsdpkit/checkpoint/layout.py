@@ -2,7 +2,7 @@
 
     <run_dir>/checkpoints/
         step_<N>/            DCP files (*.distcp, .metadata) + manifest.json (the commit marker)
-        on_exception/        same layout, written when the loop fails (issue: preemption)
+        on_exception/        same layout, written when the loop fails and every rank agrees (manager.py)
         latest               text file naming the newest committed checkpoint directory
 
 A directory without a readable manifest.json is never a checkpoint. The manifest is written by

@@ -98,7 +98,7 @@ def save_checkpoint(
     on_commit: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest (rank 0) or
-    {"step", "bytes"} (other ranks).
+    {"step", "bytes_per_rank"} (other ranks).
 
     Args:
         meta: manifest fields known to the caller (config, fingerprint, optimizer summary, mesh).
@@ -107,48 +107,47 @@ def save_checkpoint(
         CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
     """
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
-    if state_dict_type == "full":
-        return _commit(None, target=target, ckpt_dir=ckpt_dir, step=step, meta=meta, group=group,
-                       thread_count=thread_count, on_commit=on_commit)
     snapshot = capture(target, step=step, meta=meta, rank=rank)
-    return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit)
+    if state_dict_type != "full":
+        return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit)
+
+    def write() -> tuple[list[dict[str, Any]], dict[str, Any]]:  # rank 0 gathers and writes safetensors
+        written = write_full(target, ckpt_dir, rank=rank, group=group)
+        return [written.get("files", {})], {"optimizer_param_groups": written.get("optimizer_param_groups")}
+
+    return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="full", write=write, on_commit=on_commit)
 
 
 def write_snapshot(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | None, thread_count: int = 1,
                    on_commit: Callable[[], None] | None = None) -> dict[str, Any]:
     """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
     Safe to run on a background thread when `group` is used by nothing else meanwhile."""
-    return _commit(snapshot, target=None, ckpt_dir=ckpt_dir, step=snapshot.step, meta=snapshot.meta, group=group,
-                   thread_count=thread_count, on_commit=on_commit)
-
-
-def _commit(snapshot: Snapshot | None, *, target: CheckpointTarget | None, ckpt_dir: Path, step: int,
-            meta: dict[str, Any], group: tdist.ProcessGroup | None, thread_count: int,
-            on_commit: Callable[[], None] | None) -> dict[str, Any]:
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+
+    def write() -> tuple[list[dict[str, Any]], dict[str, Any]]:  # every rank writes its shards through DCP
+        fs = HashingFileSystem(die_mid_write=_dies_during_this_save(snapshot.step, rank))
+        writer = FileSystemWriter(ckpt_dir, sync_files=True, thread_count=thread_count)
+        writer.fs = fs
+        dcp.save(snapshot.state, storage_writer=writer, process_group=group)
+        return _gather(fs.files, group), {}
+
+    return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="sharded", write=write, on_commit=on_commit)
+
+
+def _commit(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | None, kind: str,
+            write: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]],
+            on_commit: Callable[[], None] | None) -> dict[str, Any]:
+    """Checksum the tensors, `write()` the files ((files by rank, extra manifest fields)), then commit."""
+    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    step = snapshot.step
     t0 = time.perf_counter()
     try:
         if rank == 0 and ckpt_dir.exists():
             shutil.rmtree(ckpt_dir)  # a stale, uncommitted attempt at this step (never a committed one: see caller)
         _barrier(group)
-        extra: dict[str, Any] = {}
-        if snapshot is None:  # state_dict_type=full: rank 0 gathers and writes safetensors
-            assert target is not None
-            trainer = target.json_state()
-            algorithm, tensors = tensor_table(target.tensor_state(rank=rank), group=group)
-            t_stage = time.perf_counter()
-            written = write_full(target, ckpt_dir, rank=rank, group=group)
-            files_by_rank = [written.get("files", {})]  # rank 0 wrote every file
-            extra["optimizer_param_groups"] = written.get("optimizer_param_groups")
-        else:
-            trainer = snapshot.trainer
-            algorithm, tensors = tensor_table(snapshot.state, group=group)
-            t_stage = time.perf_counter()
-            fs = HashingFileSystem(die_mid_write=_dies_during_this_save(step, rank))
-            writer = FileSystemWriter(ckpt_dir, sync_files=True, thread_count=thread_count)
-            writer.fs = fs
-            dcp.save(snapshot.state, storage_writer=writer, process_group=group)
-            files_by_rank = _gather(fs.files, group)
+        algorithm, tensors = tensor_table(snapshot.state, group=group)
+        t_stage = time.perf_counter()
+        files_by_rank, extra = write()
         t_write = time.perf_counter()
         bytes_per_rank = [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank]
         manifest = None
@@ -160,10 +159,10 @@ def _commit(snapshot: Snapshot | None, *, target: CheckpointTarget | None, ckpt_
                 "step": step,
                 "committed_at": datetime.now(UTC).isoformat(),
                 "world_size": tdist.get_world_size(group) if tdist.is_initialized() else 1,
-                "state_dict_type": "full" if snapshot is None else "sharded",
+                "state_dict_type": kind,
                 "versions": versions(),
-                **meta,
-                "trainer": trainer,
+                **snapshot.meta,
+                "trainer": snapshot.trainer,
                 "tensor_hash": algorithm,
                 "tensors": tensors,
                 "files": dict(sorted(files.items())),

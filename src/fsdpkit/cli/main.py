@@ -23,6 +23,10 @@ Train with FSDP2. Overrides use Hydra syntax: key=value, +key=value (add), ++key
 override), ~key (delete: the schema default applies), experiment=[a,b] (compose experiment files
 in order). The config is validated before any process starts.
 
+exit codes: 0 trained to train.max_steps (or train.stop_at); 75 stopped by a preemption signal
+after committing a checkpoint (run the same command to resume); 1 training failed; 2 a config or
+checkpoint error, before training.
+
 examples:
   fsdpkit train experiment=demo
   fsdpkit train --nproc 4 experiment=[demo,bf16] train.max_steps=20

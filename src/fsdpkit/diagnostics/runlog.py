@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-METRICS_FILE = "metrics.jsonl"  # the name fsdpkit train writes (fsdpkit.train.metrics.METRICS_FILE)
+METRICS_FILE = "metrics.jsonl"  # what fsdpkit train writes (fsdpkit.train.metrics writes this name)
 
 
 @dataclass

@@ -13,8 +13,7 @@ import torch
 
 from fsdpkit import dist
 from fsdpkit.diagnostics import TensorBoardWriter
-
-METRICS_FILE = "metrics.jsonl"
+from fsdpkit.diagnostics.runlog import METRICS_FILE  # one name for the writer and the readers
 
 
 def peak_memory_mib(device: torch.device) -> float:
