@@ -278,7 +278,7 @@ class FixedStep:
 # -- the save methods ------------------------------------------------------------------------
 def meta(b: Bench) -> dict[str, Any]:
     """What Checkpointer._meta adds to the manifest (fingerprint cached, as it caches it)."""
-    return {"fingerprint": b.fingerprint, "optimizer": optimizer_summary(b.optimizer, step=b.counter.step),
+    return {"run_id": "bench", "fingerprint": b.fingerprint, "optimizer": optimizer_summary(b.optimizer, step=b.counter.step),
             "metrics": {}}
 
 

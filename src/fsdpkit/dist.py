@@ -14,13 +14,15 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("FSDPKIT_PG_TIMEOUT_S", "600"))
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
+T = TypeVar("T")
 
 
 def rank() -> int:
@@ -118,3 +120,35 @@ def all_reduce_sum(values: Sequence[float], *, device: torch.device) -> list[flo
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
     return t.tolist()
+
+
+def on_main(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None,
+            errors: tuple[type[BaseException], ...] = (OSError, ValueError)) -> T:
+    """Run `fn` on rank 0 only; every rank returns its result, or raises rank 0's error (same type
+    and message) if it raised one of `errors`. Collective over `group`.
+
+    For checks that one rank makes for all (the run directory, the checkpoint directory): every
+    rank stops at the same point with the same message; only rank 0 prints it (see `echoed`).
+    """
+    outcome: tuple[bool, Any] = (True, None)
+    if rank() == 0:
+        try:
+            outcome = (True, fn())
+        except errors as e:
+            outcome = (False, (type(e), str(e)))
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        box = [outcome]
+        dist.broadcast_object_list(box, src=0, group=group)
+        outcome = box[0]
+    ok, value = outcome
+    if ok:
+        return value
+    kind, message = value
+    error = kind(message) if issubclass(kind, Exception) else RuntimeError(message)
+    error.echoed = rank() != 0  # the same error rank 0 reports: other ranks stay quiet about it
+    raise error
+
+
+def echoed(error: BaseException) -> bool:
+    """True for an error raised by `on_main` on a rank other than the one that reports it."""
+    return bool(getattr(error, "echoed", False))

@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, fsdpkit  # noqa: E402
 from fsdpkit.checkpoint.errors import CheckpointCorruptError  # noqa: E402
 from fsdpkit.checkpoint.hashing import file_checksum  # noqa: E402
+from fsdpkit.checkpoint.manifest import SEAL, manifest_digest  # noqa: E402
 from fsdpkit.checkpoint.resume import resolve_checkpoint, verify_files  # noqa: E402
 from fsdpkit.train.metrics import read_records
 
@@ -113,9 +114,10 @@ def test_malicious_metadata_is_refused_without_running_it(uninterrupted, tmp_pat
     shutil.copytree(uninterrupted / "checkpoints" / "step_12", ckpt)
     marker = tmp_path / "pwned"
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    manifest = _manifest(ckpt)  # a careful attacker also fixes the manifest's checksum
+    manifest = _manifest(ckpt)  # a careful attacker also fixes the file's checksum and reseals the manifest
     size, digest = file_checksum(ckpt / ".metadata")
     manifest["files"][".metadata"] = {"size": size, "xxh3_64": digest}
+    manifest[SEAL] = manifest_digest(manifest)
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
     proc = fsdpkit("train", *ARGS, f"run_dir={tmp_path / 'run'}", f"checkpoint.resume={ckpt}")
     assert proc.returncode != 0

@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import fsdpkit  # noqa: E402
 from fsdpkit.checkpoint.hashing import file_checksum  # noqa: E402
+from fsdpkit.checkpoint.manifest import SEAL, manifest_digest  # noqa: E402
 from fsdpkit.cli.main import main  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
@@ -123,9 +124,10 @@ class _Payload:
 def test_inspect_export_and_diff_refuse_crafted_metadata_without_running_it(damaged, tmp_path, capsys):
     marker = tmp_path / "pwned"
     (damaged / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
-    manifest = json.loads((damaged / "manifest.json").read_text())  # a careful attacker fixes the checksum too
+    manifest = json.loads((damaged / "manifest.json").read_text())  # a careful attacker fixes the checksums too
     size, digest = file_checksum(damaged / ".metadata")
     manifest["files"][".metadata"] = {"size": size, "xxh3_64": digest}
+    manifest[SEAL] = manifest_digest(manifest)
     (damaged / "manifest.json").write_text(json.dumps(manifest))
     for args in (["inspect", str(damaged)], ["export", str(damaged), str(tmp_path / "out")], ["diff", str(damaged), str(damaged)]):
         code, _, err = cli(capsys, *args)

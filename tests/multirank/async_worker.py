@@ -29,7 +29,7 @@ from fsdpkit.config import compose_config
 from fsdpkit.train.determinism import enable_determinism
 from fsdpkit.train.loop import RAISE_AT_ENV
 from fsdpkit.train.metrics import read_records
-from fsdpkit.train.run import attach_checkpointer, build_trainer
+from fsdpkit.train.run import build_trainer, start_checkpointer
 
 
 def manifest(path: Path) -> dict:
@@ -43,7 +43,8 @@ def async_by_hand(work: Path) -> dict:
         run.mkdir(parents=True)
     tdist.barrier()
     trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=run)
-    ckpt = attach_checkpointer(trainer, cfg, plan, groups=ckpt_worker.GROUPS)
+    start_checkpointer(trainer, cfg, plan, groups=ckpt_worker.GROUPS, resume_path=None)
+    ckpt = trainer.checkpointer
     for _ in range(3):
         trainer.train_step()
     os.environ[SLOW_WRITE_ENV] = "1.5"

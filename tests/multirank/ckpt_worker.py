@@ -27,7 +27,7 @@ from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
 from fsdpkit.config import compose_config
 from fsdpkit.train.determinism import enable_determinism
 from fsdpkit.train.metrics import read_records
-from fsdpkit.train.run import attach_checkpointer, build_trainer
+from fsdpkit.train.run import build_trainer, start_checkpointer
 
 STEPS = 12
 BASE = ["deterministic=true", f"train.max_steps={STEPS}", "train.global_batch_size=12", "train.micro_batch_size=1",
@@ -45,8 +45,7 @@ def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, 
     tdist.barrier()
     path = Checkpointer.resolve(cfg.checkpoint, group=GROUPS.sync)
     trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=run_dir, init=path is None)
-    ckpt = attach_checkpointer(trainer, cfg, plan, groups=GROUPS)
-    report = ckpt.resume_from(path) if path is not None else None
+    report = start_checkpointer(trainer, cfg, plan, groups=GROUPS, resume_path=path)
     if dump_loaded_to is not None:
         dump_full_state(trainer, dump_loaded_to)
     start = trainer.state.step

@@ -16,14 +16,16 @@ import torch
 import torch.distributed as tdist
 
 from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
-from fsdpkit.checkpoint.errors import CheckpointSaveError
+from fsdpkit.checkpoint.errors import CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, step_dir_name
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary
+from fsdpkit.checkpoint.ownership import DirectoryLock, claim, new_run_id
 from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.config.schema import CheckpointConfig
+from fsdpkit.dist import on_main
 
 log = logging.getLogger("fsdpkit.checkpoint")
 # Test hook: comma-separated Stateful names (e.g. "scheduler,data") not restored on resume, to
@@ -57,11 +59,13 @@ class CheckpointGroups:
 
 
 class Checkpointer:
-    """Saves `target` on the configured cadence and at the end; resumes from `cfg.resume`."""
+    """Saves `target` on the configured cadence and at the end; resumes from `cfg.resume`.
+
+    `lock` is rank 0's hold on the directory (`lock_directory`), released by `close()`/`finish()`."""
 
     def __init__(self, cfg: CheckpointConfig, *, target: CheckpointTarget, groups: CheckpointGroups,
                  sharding: dict[str, Any], run_meta: dict[str, Any], state_dict_type: str = "sharded",
-                 on_event: Callable[[dict[str, Any]], None] | None = None):
+                 on_event: Callable[[dict[str, Any]], None] | None = None, lock: DirectoryLock | None = None):
         self.cfg, self.target, self.groups = cfg, target, groups
         self.group = groups.sync
         self.state_dict_type = state_dict_type
@@ -71,9 +75,40 @@ class Checkpointer:
         self.retention = RetentionPolicy(keep_last=cfg.keep_last, keep_every=cfg.keep_every, keep_best=cfg.keep_best,
                                          metric=cfg.keep_best_metric, mode=cfg.keep_best_mode)
         self.last_saved_step: int | None = None
+        self.run_id: str | None = None  # set by open(): this run's, or the resumed run's
+        self.lock = lock
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
         self._async = AsyncSaver(group=groups.background, thread_count=cfg.thread_count) if cfg.async_save else None
+
+    # -- the directory --------------------------------------------------------------------------
+    def open(self, *, resumed: dict[str, Any] | None, start: str) -> None:
+        """Collective, before the first step: claim the directory for this run (see ownership.py).
+        Every rank raises the same CheckpointError if rank 0 cannot.
+
+        Args:
+            resumed: the manifest of a full resume (this run continues that run), else None.
+            start: how the run started, for messages.
+        """
+        run_id = (resumed or {}).get("run_id") or new_run_id()
+
+        def claim_directory() -> str:
+            for line in claim(self.root, run_id=run_id, resumed=resumed, existing=self.cfg.existing, start=start):
+                log.warning("%s", line)
+            return run_id
+
+        try:
+            self.run_id = on_main(claim_directory, group=self.group, errors=(CheckpointError, OSError))
+        except BaseException:
+            self.close()
+            raise
+        log.info("run id %s; checkpoints in %s", self.run_id, self.root)
+
+    def close(self) -> None:
+        """Release the directory (the lock); idempotent."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     # -- resume -----------------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
@@ -129,11 +164,13 @@ class Checkpointer:
 
     def save(self, step: int, *, reason: str = "manual", metrics: dict[str, Any] | None = None,
              wait: bool = False) -> Path:
-        """Save `step`: in the background when async_save is on (unless `wait`), else now."""
+        """Save `step`: in the background when async_save is on (unless `wait`), else now. A
+        committed checkpoint of the same step is replaced once the new one is committed."""
+        if self.run_id is None:
+            raise CheckpointError("Checkpointer.open() must be called before the first save")
         path = self.root / step_dir_name(step)
         if (path / MANIFEST).is_file():
-            log.info("checkpoint %s is already committed; not saving it again", path)
-            return path
+            log.warning("checkpoint %s is committed already; it is replaced once step %d is saved again", path, step)
         t0 = time.perf_counter()
         meta = self._meta(step, metrics) | {"reason": reason}
         self._last_save_t = time.monotonic()
@@ -156,18 +193,21 @@ class Checkpointer:
 
     def finish(self) -> None:
         """Wait for the save in flight (the run's end): its errors are raised here."""
-        if self._async is not None:
-            try:
-                done = self._async.wait()
-            finally:
-                self._async.close()
-            if done is not None:
-                self._report(done)
+        try:
+            if self._async is not None:
+                try:
+                    done = self._async.wait()
+                finally:
+                    self._async.close()
+                if done is not None:
+                    self._report(done)
+        finally:
+            self.close()
 
     def on_exception(self, error: BaseException, *, boundary_step: int | None) -> None:
         """Save to on_exception/ if every rank is at the same consistent step boundary and can take
         part; otherwise say why not. Never raises: the caller re-raises `error` afterwards."""
-        if not self.cfg.on_exception:
+        if not self.cfg.on_exception or self.run_id is None:  # None: failed before the directory was claimed
             return
         rank = tdist.get_rank() if tdist.is_initialized() else 0
         log.error("rank %d: training failed with %s: %s; checking whether every rank can save on_exception",
@@ -200,16 +240,17 @@ class Checkpointer:
     def _meta(self, step: int, metrics: dict[str, Any] | None) -> dict[str, Any]:
         return {
             **self.run_meta,
+            "run_id": self.run_id,
             "fingerprint": self.fingerprint(),
             "optimizer": optimizer_summary(self.target.optimizer, step=step),
             "metrics": {k: metrics[k] for k in METRICS_IN_MANIFEST if metrics and k in metrics},
         }
 
-    def _retain(self) -> None:
+    def _retain(self, committed: Path) -> None:
         """Rank 0, right after a commit (on the save's own thread)."""
         try:
-            apply_retention(self.root, self.retention)
-        except OSError as e:  # a failed deletion must not fail the save that just committed
+            apply_retention(self.root, self.retention, run_id=self.run_id, just_committed=committed)
+        except Exception as e:  # noqa: BLE001 - a failed deletion must not fail the save that just committed
             log.warning("retention: could not delete an old checkpoint: %s", e)
 
     def _raise_background_failure(self) -> None:
@@ -239,6 +280,20 @@ class Checkpointer:
                      result.path.name, result.mode, result.reason, max(per_rank) / 2**20, result.stall_s,
                      result.background_s, record["throughput_gbps"] or 0.0)
         self.on_event(record)
+
+
+def lock_directory(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> DirectoryLock | None:
+    """Collective: rank 0 creates and locks `cfg.dir` for this run's life (returned to rank 0,
+    None elsewhere). Every rank raises the same CheckpointError if it is in use or not writable."""
+    held: list[DirectoryLock] = []
+
+    def acquire() -> None:
+        root = Path(cfg.dir)
+        root.mkdir(parents=True, exist_ok=True)
+        held.append(DirectoryLock(root).acquire())
+
+    on_main(acquire, group=group, errors=(CheckpointError, OSError))
+    return held[0] if held else None
 
 
 def _agree_on_step(step: int | None, *, group: tdist.ProcessGroup | None) -> int | None:

@@ -1,14 +1,21 @@
 """manifest.json: what a committed checkpoint is, written last, read first.
 
 It records everything needed to trust and interpret the DCP files beside it: format version,
-step, world size and mesh, versions, the resolved config, the model fingerprint, an optimizer
-summary, the small Stateful pieces (trainer counters, scheduler, data cursor), per-tensor
+step, run identity, world size and mesh, versions, the resolved config, the model fingerprint, an
+optimizer summary, the small Stateful pieces (trainer counters, scheduler, data cursor), per-tensor
 checksums, per-file sizes and checksums, and timings.
+
+The manifest carries state that changes training (the data cursor, the schedule, the counters), so
+it is sealed by a checksum of its own: `manifest_sha256`, the SHA-256 of its canonical JSON (keys
+sorted, no whitespace) without that field. `read_manifest` checks the seal, then the shape, before
+any field is used; a manifest that fails either is a corrupt checkpoint.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import platform
 from pathlib import Path
 from typing import Any
@@ -19,9 +26,12 @@ from torch import nn
 from fsdpkit import __version__
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from fsdpkit.checkpoint.layout import MANIFEST, atomic_write_text
+from fsdpkit.checkpoint.manifest_schema import manifest_problems
 
+log = logging.getLogger("fsdpkit.checkpoint")
 FORMAT = "fsdpkit-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: sealed by manifest_sha256, carries run_id
+SEAL = "manifest_sha256"
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -77,31 +87,62 @@ def versions() -> dict[str, str]:
     return {"fsdpkit": __version__, "torch": torch.__version__, "python": platform.python_version()}
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the canonical JSON of `manifest` without its seal."""
+    body = {k: v for k, v in manifest.items() if k != SEAL}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def write_manifest(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
-    """The commit: tmp + fsync + rename + directory fsync."""
-    atomic_write_text(ckpt_dir / MANIFEST, json.dumps(manifest, indent=1, sort_keys=False) + "\n")
+    """Seal `manifest` and commit it: tmp + fsync + rename + directory fsync."""
+    sealed = {**{k: v for k, v in manifest.items() if k != SEAL}, SEAL: manifest_digest(manifest)}
+    atomic_write_text(ckpt_dir / MANIFEST, json.dumps(sealed, indent=1) + "\n")
 
 
 def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
-    """The committed manifest of `ckpt_dir`.
+    """The committed manifest of `ckpt_dir`, its seal and shape checked.
 
     Raises:
         FileNotFoundError: no manifest: the directory was never committed.
-        CheckpointCorruptError: unreadable or of an unknown format version.
+        CheckpointCorruptError: unreadable, not sealed or wrongly sealed, malformed, or of an
+            unknown format version.
     """
     path = ckpt_dir / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{ckpt_dir} has no {MANIFEST}: it was never committed (a save was interrupted)")
     try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointCorruptError(f"{path} is not valid JSON ({e}); the checkpoint cannot be trusted") from None
-    if manifest.get("format") != FORMAT:
-        raise CheckpointCorruptError(f"{path} is not an fsdpkit manifest (format={manifest.get('format')!r})")
-    if manifest.get("format_version", 0) > FORMAT_VERSION:
+    except OSError as e:
+        raise CheckpointCorruptError(f"{path} cannot be read ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        what = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointCorruptError(f"{path} is not an fsdpkit manifest (format={what!r}); the checkpoint cannot be trusted")
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise CheckpointCorruptError(f"{path} has no valid format_version ({version!r}); the checkpoint cannot be trusted")
+    if version > FORMAT_VERSION:
         raise CheckpointCorruptError(
-            f"{path} has format_version {manifest['format_version']}; this fsdpkit reads up to {FORMAT_VERSION}: upgrade fsdpkit"
+            f"{path} has format_version {version}; this fsdpkit reads up to {FORMAT_VERSION}: upgrade fsdpkit"
         )
+    if version >= 2 and manifest.get(SEAL) != manifest_digest(manifest):
+        raise CheckpointCorruptError(
+            f"{path} fails its own checksum ({SEAL} {str(manifest.get(SEAL))[:16]}..., content "
+            f"{manifest_digest(manifest)[:16]}...): it was edited or corrupted after the commit, and the step, "
+            "data position and schedule it records cannot be trusted"
+        )
+    if version == 1:
+        log.warning("%s was written by an fsdpkit without manifest checksums: its trainer state is not "
+                    "tamper-evident (save again to upgrade it)", path)
+    problems = manifest_problems(manifest)
+    if not problems and version >= 2 and not isinstance(manifest.get("run_id"), str):
+        problems.append("lacks `run_id`")
+    counters = manifest.get("trainer", {}).get("train") if not problems else None
+    if isinstance(counters, dict) and counters.get("step", manifest["step"]) != manifest["step"]:
+        problems.append(f"`step` {manifest['step']} differs from the trainer counters' step {counters.get('step')!r}")
+    if problems:
+        raise CheckpointCorruptError(f"{path} is malformed: " + "; ".join(problems) + "; the checkpoint cannot be trusted")
     return manifest
 
 

@@ -18,7 +18,7 @@ from fsdpkit.checkpoint.errors import (
 )
 from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
-from fsdpkit.checkpoint.layout import ON_EXCEPTION, candidate_dirs
+from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
@@ -27,22 +27,41 @@ from fsdpkit.checkpoint.state import CheckpointTarget, restore_rng
 log = logging.getLogger("fsdpkit.checkpoint")
 
 
-def committed_candidates(ckpt_root: Path) -> list[tuple[Path, int]]:
-    """Committed checkpoints, newest first (on_exception first when it is at least as new);
-    incomplete ones are skipped with a warning naming the directory and why."""
+def committed_candidates(ckpt_root: Path, *, corrupt: list[tuple[Path, str]] | None = None) -> list[tuple[Path, int]]:
+    """Committed checkpoints, newest first (on_exception first when it is at least as new, and a
+    committed replacement `.incoming` before the checkpoint it replaces). Directories never
+    committed are skipped quietly (an interrupted save); corrupt or incomplete ones are skipped
+    with a warning and, if `corrupt` is given, appended to it with the reason."""
     found = []
     for path in candidate_dirs(ckpt_root):
         try:
             manifest = read_manifest(path)
-        except (FileNotFoundError, CheckpointCorruptError) as e:
-            log.warning("skipping %s: %s", path, e)
+            problems = check_files_present(path, manifest)
+        except FileNotFoundError:
+            log.info("skipping %s: never committed (an interrupted save)", path)
             continue
-        problems = check_files_present(path, manifest)
+        except CheckpointCorruptError as e:
+            problems = [str(e)]
         if problems:
             log.warning("skipping %s: %s", path, "; ".join(problems))
+            if corrupt is not None:
+                corrupt.append((path, "; ".join(problems)))
             continue
         found.append((path, manifest["step"]))
-    return sorted(found, key=lambda item: (item[1], item[0].name == ON_EXCEPTION), reverse=True)
+    return sorted(found, key=lambda item: (item[1], item[0].name.startswith(ON_EXCEPTION),
+                                           item[0].name.endswith(INCOMING)), reverse=True)
+
+
+def set_aside(path: Path, why: str) -> None:
+    """Rank 0: move a checkpoint that failed verification out of the way (never deleted), so
+    that its step is saved again and nothing resolves to it."""
+    try:
+        new = move_aside(path, "corrupt")
+    except OSError as e:
+        log.warning("could not move %s aside (%s); it stays, and stays skipped", path, e)
+        return
+    log.warning("moved %s to %s: it failed verification (%s); inspect or delete it yourself", path.name, new.name,
+                why.splitlines()[0][:300])
 
 
 def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None = None,
@@ -84,8 +103,12 @@ def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGrou
         return None
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     if resume == "auto":
-        candidates = [str(p) for p, _ in committed_candidates(ckpt_root)] if rank == 0 else None
-        explicit = False
+        candidates, explicit = None, False
+        if rank == 0:
+            corrupt: list[tuple[Path, str]] = []
+            candidates = [str(p) for p, _ in committed_candidates(ckpt_root, corrupt=corrupt)]
+            for path, why in corrupt:
+                set_aside(path, why)
     else:
         candidates, explicit = [resume], True
     if tdist.is_initialized():
@@ -110,7 +133,15 @@ def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGrou
         if explicit:
             raise CheckpointCorruptError(message)
         log.warning("skipping %s", message)
+        if rank == 0:
+            set_aside(path, problems[0])
+        _barrier(group)  # nobody looks at the next candidate while rank 0 still moves this one
     return None
+
+
+def _barrier(group: tdist.ProcessGroup | None) -> None:
+    if tdist.is_initialized():
+        tdist.barrier(group=group)
 
 
 def load_checkpoint(
@@ -144,9 +175,7 @@ def load_checkpoint(
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
     if not model_only:
-        for name, obj in target.stateful.items():
-            if name not in skip:
-                obj.load_state_dict(manifest["trainer"][name])
+        _restore_stateful(target, manifest, skip=skip, ckpt_dir=ckpt_dir)
         if rng is not None:
             restore_rng(rng)
     t_load = time.perf_counter()
@@ -154,6 +183,24 @@ def load_checkpoint(
         verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir)
     t_verify = time.perf_counter()
     return {"manifest": manifest, "notes": notes, "load_s": t_load - t0, "verify_s": t_verify - t_load}
+
+
+def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], *, skip: frozenset[str],
+                      ckpt_dir: Path) -> None:
+    missing = sorted(target.stateful.keys() - manifest["trainer"].keys() - skip)
+    if missing:
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt_dir} holds no state for {', '.join(missing)} (it has {sorted(manifest['trainer'])}); "
+            "it was saved by a different loop. Resume with checkpoint.resume_mode=model_only, or start fresh")
+    for name, obj in target.stateful.items():
+        if name in skip:
+            continue
+        try:
+            obj.load_state_dict(manifest["trainer"][name])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointMismatchError(
+                f"checkpoint {ckpt_dir}: the saved `{name}` state does not fit this run ({type(e).__name__}: {e}); "
+                "resume with checkpoint.resume_mode=model_only, or start fresh") from None
 
 
 def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None,

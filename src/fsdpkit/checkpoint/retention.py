@@ -1,8 +1,9 @@
 """Which committed checkpoints to keep: the newest `keep_last`, every `keep_every`-th step, and
 the `keep_best` by a logged metric. Runs on rank 0 right after a commit, so a checkpoint is only
-ever deleted once a newer one is committed. Never deleted: the newest committed checkpoint, any
-directory without a manifest (one being written, or debris for a person to look at), and
-`on_exception`.
+ever deleted once a newer one is committed. Only this run's checkpoints are considered (see
+ownership.py). Never deleted: the checkpoint just committed, the one `latest` names, the newest
+committed checkpoint, any directory without a manifest (one being written, or debris for a person
+to look at), and `on_exception`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.checkpoint.layout import MANIFEST, STEP_DIR, candidate_dirs
+from fsdpkit.checkpoint.layout import LATEST, MANIFEST, STEP_DIR, candidate_dirs
 from fsdpkit.checkpoint.manifest import read_manifest
 
 log = logging.getLogger("fsdpkit.checkpoint")
@@ -40,8 +41,9 @@ class Committed:
     metric: float | None
 
 
-def committed_steps(ckpt_root: Path, *, metric: str) -> list[Committed]:
-    """Committed step_<N> checkpoints, oldest first, with their `metric` value (None if unlogged)."""
+def committed_steps(ckpt_root: Path, *, metric: str, run_id: str | None = None) -> list[Committed]:
+    """Committed step_<N> checkpoints (of `run_id` when given), oldest first, with their `metric`
+    value (None if unlogged)."""
     found = []
     for path in candidate_dirs(ckpt_root):
         if not STEP_DIR.match(path.name):
@@ -50,6 +52,8 @@ def committed_steps(ckpt_root: Path, *, metric: str) -> list[Committed]:
             manifest = read_manifest(path)
         except (FileNotFoundError, CheckpointCorruptError):
             continue  # not committed: never touched here
+        if run_id is not None and manifest.get("run_id") not in (None, run_id):
+            continue  # another run's: never touched here
         value = manifest.get("metrics", {}).get(metric)
         found.append(Committed(path, manifest["step"], None if value is None or math.isnan(value) else float(value)))
     return sorted(found, key=lambda c: c.step)
@@ -71,15 +75,17 @@ def to_keep(checkpoints: list[Committed], policy: RetentionPolicy) -> set[int]:
     return keep
 
 
-def apply_retention(ckpt_root: Path, policy: RetentionPolicy) -> list[Path]:
-    """Delete the committed checkpoints the policy does not keep; returns what was deleted."""
+def apply_retention(ckpt_root: Path, policy: RetentionPolicy, *, run_id: str | None = None,
+                    just_committed: Path | None = None) -> list[Path]:
+    """Delete this run's committed checkpoints the policy does not keep; returns what was deleted."""
     if not policy.active:
         return []
-    checkpoints = committed_steps(ckpt_root, metric=policy.metric)
+    checkpoints = committed_steps(ckpt_root, metric=policy.metric, run_id=run_id)
     keep = to_keep(checkpoints, policy)
+    protected = {just_committed.name if just_committed else None, _latest_name(ckpt_root)}
     deleted = []
     for c in checkpoints:
-        if c.step in keep:
+        if c.step in keep or c.path.name in protected:
             continue
         # The manifest goes first: from then on the directory is no checkpoint, even if the
         # removal of the rest is interrupted.
@@ -90,3 +96,10 @@ def apply_retention(ckpt_root: Path, policy: RetentionPolicy) -> list[Path]:
         log.info("retention: deleted %s (keeping %s)", ", ".join(p.name for p in deleted),
                  ", ".join(f"step_{s}" for s in sorted(keep)))
     return deleted
+
+
+def _latest_name(ckpt_root: Path) -> str | None:
+    try:
+        return (ckpt_root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None

@@ -9,7 +9,9 @@ instead of hanging it; the previous checkpoint then stays `latest`.
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import shutil
 import time
@@ -28,13 +30,16 @@ from torch.distributed.checkpoint.api import CheckpointException
 from fsdpkit.checkpoint.errors import CheckpointSaveError
 from fsdpkit.checkpoint.full import write_full
 from fsdpkit.checkpoint.hashing import HashingFileSystem, hash_algorithm_for, tensor_hashes
-from fsdpkit.checkpoint.layout import MANIFEST, publish_latest
+from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, publish_latest, swap_in
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
 
 # Test hook: "<step>:<rank>" makes that rank SIGKILL itself in the middle of writing that step's
 # checkpoint, as a crash or an OOM kill would (tests prove `latest` then stays on the previous one).
 KILL_DURING_SAVE_ENV = "FSDPKIT_TEST_KILL_DURING_SAVE"
+# Test hook: "<step>" makes rank 0's manifest write of that step fail with ENOSPC (a full disk).
+FAIL_MANIFEST_ENV = "FSDPKIT_TEST_FAIL_MANIFEST"
+log = logging.getLogger("fsdpkit.checkpoint")
 
 
 def _dies_during_this_save(step: int, rank: int) -> bool:
@@ -95,14 +100,18 @@ def save_checkpoint(
     group: tdist.ProcessGroup | None,
     thread_count: int = 1,
     state_dict_type: str = "sharded",
-    on_commit: Callable[[], None] | None = None,
+    on_commit: Callable[[Path], None] | None = None,
 ) -> dict[str, Any]:
     """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest (rank 0) or
     {"step", "bytes_per_rank"} (other ranks).
 
+    A committed checkpoint already at `ckpt_dir` is replaced only once its successor is committed:
+    the new one is written to `<ckpt_dir>.incoming` and swapped in after its commit.
+
     Args:
-        meta: manifest fields known to the caller (config, fingerprint, optimizer summary, mesh).
-        on_commit: run on rank 0 right after `latest` moved (retention), before the final barrier.
+        meta: manifest fields known to the caller (run id, config, fingerprint, optimizer summary, mesh).
+        on_commit: run on rank 0 with the committed path right after `latest` moved (retention),
+            before the final agreement.
     Raises:
         CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
     """
@@ -111,22 +120,22 @@ def save_checkpoint(
     if state_dict_type != "full":
         return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit)
 
-    def write() -> tuple[list[dict[str, Any]], dict[str, Any]]:  # rank 0 gathers and writes safetensors
-        written = write_full(target, ckpt_dir, rank=rank, group=group)
+    def write(into: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # rank 0 gathers and writes safetensors
+        written = write_full(target, into, rank=rank, group=group)
         return [written.get("files", {})], {"optimizer_param_groups": written.get("optimizer_param_groups")}
 
     return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="full", write=write, on_commit=on_commit)
 
 
 def write_snapshot(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | None, thread_count: int = 1,
-                   on_commit: Callable[[], None] | None = None) -> dict[str, Any]:
+                   on_commit: Callable[[Path], None] | None = None) -> dict[str, Any]:
     """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
     Safe to run on a background thread when `group` is used by nothing else meanwhile."""
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
 
-    def write() -> tuple[list[dict[str, Any]], dict[str, Any]]:  # every rank writes its shards through DCP
+    def write(into: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # every rank writes its shards through DCP
         fs = HashingFileSystem(die_mid_write=_dies_during_this_save(snapshot.step, rank))
-        writer = FileSystemWriter(ckpt_dir, sync_files=True, thread_count=thread_count)
+        writer = FileSystemWriter(into, sync_files=True, thread_count=thread_count)
         writer.fs = fs
         dcp.save(snapshot.state, storage_writer=writer, process_group=group)
         return _gather(fs.files, group), {}
@@ -134,23 +143,54 @@ def write_snapshot(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGr
     return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="sharded", write=write, on_commit=on_commit)
 
 
+def _prepare(final: Path) -> Path:
+    """Rank 0, before a save: the directory to write into (`final`, or beside it when `final` is
+    committed), cleared of debris from an earlier attempt that never committed."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    incoming = final.with_name(final.name + INCOMING)
+    if (incoming / MANIFEST).is_file():
+        swap_in(incoming, final)  # an earlier replacement committed but was not swapped in: finish it
+    for stale in (incoming, final):
+        if stale.exists() and not (stale / MANIFEST).is_file():
+            shutil.rmtree(stale)  # an uncommitted attempt of this run (the directory is ours: see ownership)
+    return incoming if (final / MANIFEST).is_file() else final
+
+
+def _agree(status: Any, group: tdist.ProcessGroup | None) -> Any:
+    """Rank 0's `status` on every rank (the group's bounded timeout applies)."""
+    if not tdist.is_initialized():
+        return status
+    box = [status]
+    tdist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
 def _commit(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | None, kind: str,
-            write: Callable[[], tuple[list[dict[str, Any]], dict[str, Any]]],
-            on_commit: Callable[[], None] | None) -> dict[str, Any]:
-    """Checksum the tensors, `write()` the files ((files by rank, extra manifest fields)), then commit."""
+            write: Callable[[Path], tuple[list[dict[str, Any]], dict[str, Any]]],
+            on_commit: Callable[[Path], None] | None) -> dict[str, Any]:
+    """Checksum the tensors, `write(dir)` the files ((files by rank, extra manifest fields)), then
+    commit on rank 0 and tell every rank the outcome: all ranks succeed or all raise."""
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     step = snapshot.step
     t0 = time.perf_counter()
     try:
-        if rank == 0 and ckpt_dir.exists():
-            shutil.rmtree(ckpt_dir)  # a stale, uncommitted attempt at this step (never a committed one: see caller)
-        _barrier(group)
+        prepared: tuple[str, str] | str = ""
+        if rank == 0:
+            try:
+                prepared = ("ok", str(_prepare(ckpt_dir)))
+            except OSError as e:
+                prepared = f"could not prepare {ckpt_dir}: {e}"
+        prepared = _agree(prepared, group)
+        if isinstance(prepared, str):
+            raise CheckpointSaveError(f"saving {ckpt_dir} failed on rank 0 ({prepared}); the previous checkpoint "
+                                      "stays latest")
+        into = Path(prepared[1])
         algorithm, tensors = tensor_table(snapshot.state, group=group)
         t_stage = time.perf_counter()
-        files_by_rank, extra = write()
+        files_by_rank, extra = write(into)
         t_write = time.perf_counter()
         bytes_per_rank = [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank]
-        manifest = None
+        manifest, failure = None, None
         if rank == 0:
             files = {name: info for rank_files in files_by_rank for name, info in rank_files.items()}
             manifest = {
@@ -171,11 +211,10 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | N
                 **extra,
             }
             manifest["timings"]["total_s"] = time.perf_counter() - t0
-            write_manifest(ckpt_dir, manifest)
-            publish_latest(ckpt_dir)
-            if on_commit is not None:
-                on_commit()
-        _barrier(group)
+            failure = _publish(manifest, into=into, final=ckpt_dir, on_commit=on_commit)
+        failure = _agree(failure, group)
+        if failure is not None:
+            raise CheckpointSaveError(failure)
         return manifest if manifest is not None else {"step": step, "bytes_per_rank": bytes_per_rank}
     except CheckpointException as e:  # a BaseException: wrap so callers' `except Exception` sees it
         raise CheckpointSaveError(f"saving {ckpt_dir} failed on at least one rank; the previous checkpoint stays latest: {e}") from e
@@ -186,6 +225,25 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | N
         ) from e
 
 
-def _barrier(group: tdist.ProcessGroup | None) -> None:
-    if tdist.is_initialized():
-        tdist.barrier(group=group)  # the group's own (bounded) timeout applies
+def _publish(manifest: dict[str, Any], *, into: Path, final: Path,
+             on_commit: Callable[[Path], None] | None) -> str | None:
+    """Rank 0: write the manifest (the commit), swap a replacement in, move `latest`, run
+    `on_commit`. Returns None, or why the checkpoint was not committed."""
+    try:
+        if os.environ.get(FAIL_MANIFEST_ENV) == str(manifest["step"]):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(into / MANIFEST))
+        write_manifest(into, manifest)
+    except OSError as e:
+        shutil.rmtree(into, ignore_errors=True)  # this save's own uncommitted files: give the space back
+        return (f"saving {final} failed: rank 0 could not write {into / MANIFEST} ({e}); nothing was committed and "
+                "the previous checkpoint stays latest. Free space or fix permissions, then resume")
+    try:
+        if into != final:
+            swap_in(into, final)
+        publish_latest(final)
+    except OSError as e:  # committed (the manifest exists) but not in place: resolution still finds it
+        log.warning("checkpoint %s is committed, but moving it into place or updating %s failed: %s",
+                    into, final.parent / LATEST, e)
+    if on_commit is not None:
+        on_commit(final)
+    return None

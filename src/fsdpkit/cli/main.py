@@ -74,6 +74,9 @@ def _train(args: argparse.Namespace) -> int:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
         check_world_size(cfg, args.nproc, local_world_size=args.nproc)
+        from fsdpkit.train.preflight import check_directories
+
+        check_directories(cfg)  # one message from the launcher, before any rank starts
         return _launch_local(args, cfg)
     from fsdpkit.train.run import run
 
@@ -154,7 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         code = {"train": _train, "config": _config, "resume-check": _resume_check, "ckpt": ckpt_cli.run,
                 "plot": plot_cli.run}[args.command](args)
     except (ValueError, FileNotFoundError, CheckpointError) as e:
-        print(f"fsdpkit {args.command}: error: {e}", file=sys.stderr)
+        if not getattr(e, "echoed", False):  # rank 0 reports an error that every rank raised (dist.on_main)
+            print(f"fsdpkit {args.command}: error: {e}", file=sys.stderr)
         code = 2
     except Exception:
         if not under_launcher:

@@ -159,6 +159,7 @@ def validate(cfg: Config) -> None:
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
     ck = cfg.checkpoint
     _one_of("checkpoint.resume_mode", ck.resume_mode, ("full", "model_only"))
+    _one_of("checkpoint.existing", ck.existing, ("error", "archive"))
     _positive("checkpoint.every_steps", ck.every_steps, allow_zero=True)
     _positive("checkpoint.timeout_s", ck.timeout_s)
     _positive("checkpoint.thread_count", ck.thread_count)

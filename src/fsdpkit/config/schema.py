@@ -191,6 +191,11 @@ class CheckpointConfig:
     resume_mode: str = "full"
     """`full`: restore everything (model, optimizer, schedule, counters, data cursor, RNG).
     `model_only`: weights only; optimizer, schedule, counters and data start from zero."""
+    existing: str = "error"
+    """What a run that does not continue the run in `dir` (resume=none, resume_mode=model_only, or
+    a resume from elsewhere) does when `dir` holds that other run's committed checkpoints: `error`
+    (stop before the first step and say so) or `archive` (move them to `dir`/archive/<time>/).
+    Nothing is ever deleted; two runs never share a directory."""
     verify_checksums: bool = True
     """Before loading, recompute every file checksum (spread over ranks) and refuse corrupt files."""
     verify_on_load: bool = True

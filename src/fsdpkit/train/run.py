@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from fsdpkit import __version__, dist
-from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
+from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, lock_directory
+from fsdpkit.checkpoint.ownership import DirectoryLock
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets
@@ -25,6 +26,7 @@ from fsdpkit.train.loop import Trainer
 from fsdpkit.train.metrics import METRICS_FILE, MetricsLog
 from fsdpkit.train.optim import build_optimizer, build_scheduler
 from fsdpkit.train.preemption import PreemptionHandler
+from fsdpkit.train.preflight import check_directories
 from fsdpkit.train.state import TrainState
 
 CONFIG_FILE = "config.yaml"
@@ -88,7 +90,8 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     return trainer, plan
 
 
-def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups) -> Checkpointer:
+def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups,
+                        lock: DirectoryLock | None = None) -> Checkpointer:
     """Give the trainer a Checkpointer over its model, optimizer and Stateful pieces."""
     target = CheckpointTarget(model=trainer.model, optimizer=trainer.optimizer, stateful=trainer.stateful())
     sharding = {
@@ -104,7 +107,7 @@ def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, gr
     }
     trainer.checkpointer = Checkpointer(cfg.checkpoint, target=target, groups=groups, sharding=sharding,
                                         run_meta=run_meta, state_dict_type=cfg.strategy.state_dict_type,
-                                        on_event=trainer.metrics.write)
+                                        on_event=trainer.metrics.write, lock=lock)
     return trainer.checkpointer
 
 
@@ -115,22 +118,20 @@ def run(cfg: Config) -> dict[str, Any]:
         enable_determinism()
     dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type))
     setup_logging(cfg.log_level)
-    trainer, failed = None, True
+    trainer, failed, lock = None, True, None
     try:
         seed_everything(cfg.seed, rank=dist.rank())
         run_dir = Path(cfg.run_dir)
+        dist.on_main(lambda: check_directories(cfg))  # every rank stops here, with rank 0's message
         if dist.is_main():
-            run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
             log.info("resolved config (also in %s):\n%s", run_dir / CONFIG_FILE, to_yaml(cfg))
-        dist.barrier()  # everyone waits until the run directory exists
         log.info("fsdpkit %s, torch %s, world size %d, device %s", __version__, torch.__version__, dist.world_size(), device)
         groups = CheckpointGroups.create(cfg.checkpoint)
+        lock = lock_directory(cfg.checkpoint, group=groups.sync)
         resume_path = Checkpointer.resolve(cfg.checkpoint, group=groups.sync)
         trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=resume_path is None)
-        checkpointer = attach_checkpointer(trainer, cfg, plan, groups=groups)
-        if resume_path is not None:
-            checkpointer.resume_from(resume_path)
+        start_checkpointer(trainer, cfg, plan, groups=groups, resume_path=resume_path, lock=lock)
         with PreemptionHandler(cfg.checkpoint.preemption_signals) as trainer.preemption:
             summary = trainer.fit(stop_at=cfg.train.stop_at or None)
         trainer.metrics.close()
@@ -142,6 +143,8 @@ def run(cfg: Config) -> dict[str, Any]:
         failed = False
     finally:
         trainer = None
+        if lock is not None:
+            lock.release()  # the kernel would at exit; a caller that runs again in-process needs it now
         main = dist.is_main()
         # After a failure another rank may be dead or stuck in a collective: no barrier then.
         dist.shutdown(barrier=not failed)
@@ -149,6 +152,27 @@ def run(cfg: Config) -> dict[str, Any]:
     if cfg.export.on_finish and finished and main:
         export_final(cfg)  # after the teardown: no rank waits on it
     return summary
+
+
+def start_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups,
+                       resume_path: Path | None, lock: DirectoryLock | None = None) -> dict[str, Any] | None:
+    """Attach a Checkpointer, resume from `resume_path` (if any) and claim the checkpoint
+    directory for this run; collective. Returns the resume report (None for a fresh start)."""
+    checkpointer = attach_checkpointer(trainer, cfg, plan, groups=groups, lock=lock)
+    report = checkpointer.resume_from(resume_path) if resume_path is not None else None
+    resumed = report["manifest"] if report is not None else None
+    full = resumed is not None and cfg.checkpoint.resume_mode == "full"
+    checkpointer.open(resumed=resumed if full else None, start=_how_started(cfg, resumed))
+    return report
+
+
+def _how_started(cfg: Config, resumed: dict[str, Any] | None) -> str:
+    if resumed is None:
+        return ("a new run: checkpoint.resume=none" if cfg.checkpoint.resume == "none"
+                else f"a new run: checkpoint.resume={cfg.checkpoint.resume} found nothing to resume")
+    if cfg.checkpoint.resume_mode == "model_only":
+        return f"a new run: it loaded weights only from step {resumed['step']} (resume_mode=model_only)"
+    return f"resumed from step {resumed['step']}"
 
 
 def export_final(cfg: Config) -> dict[str, Any]:

@@ -1,0 +1,40 @@
+"""Checks made before a run builds anything: the directories it will write must be usable.
+
+A run that fails them stops before the first step with one message naming the setting, instead
+of a traceback from deep inside the first save (or an hour later, at the first checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from fsdpkit.config import Config
+
+
+def _writable_dir(path: Path, *, setting: str) -> None:
+    """Create `path` if needed and prove a file can be written, fsynced and removed in it."""
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{setting}={path} is an existing file, not a directory; choose another {setting} "
+                         "(fsdpkit never replaces a file it did not write)")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".fsdpkit-write-test-", dir=path)
+        try:
+            os.write(fd, b"ok")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(path) else ""
+        raise ValueError(f"{setting}={path} cannot be written: {e.strerror or e}{where}. Point {setting} at a "
+                         "writable directory (a read-only mount, a missing permission or a file in the path "
+                         "stops every save)") from None
+
+
+def check_directories(cfg: Config) -> None:
+    """Raise ValueError when run_dir or checkpoint.dir cannot be created and written."""
+    _writable_dir(Path(cfg.run_dir), setting="run_dir")
+    _writable_dir(Path(cfg.checkpoint.dir), setting="checkpoint.dir")

@@ -1,0 +1,197 @@
+"""Checkpoint integrity in one process (no process group): the manifest's own checksum and shape,
+replacing a committed checkpoint only after its successor committed, a failed manifest write,
+corrupt checkpoints moved aside, and one run per checkpoint directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
+from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, ON_EXCEPTION, swap_in
+from fsdpkit.checkpoint.manifest import SEAL, manifest_digest, read_manifest
+from fsdpkit.checkpoint.ownership import DirectoryLock, claim
+from fsdpkit.checkpoint.resume import committed_candidates, resolve_checkpoint
+from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
+from fsdpkit.checkpoint.save import FAIL_MANIFEST_ENV, save_checkpoint
+from fsdpkit.checkpoint.state import CheckpointTarget
+
+
+class Counter:
+    def __init__(self, step: int = 0):
+        self.step = step
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, state):
+        self.step = int(state["step"])
+
+
+def _target(seed: int = 0) -> CheckpointTarget:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    return CheckpointTarget(model=model, optimizer=opt, stateful={"train": Counter(1)})
+
+
+def _save(target, path: Path, step: int, run_id: str = "run-a", **kw) -> dict:
+    target.stateful["train"].step = step
+    meta = {"run_id": run_id, "fingerprint": {"tensors": {}}, "metrics": {}}
+    return save_checkpoint(target, ckpt_dir=path, step=step, meta=meta, group=None, **kw)
+
+
+@pytest.fixture
+def root(tmp_path) -> Path:
+    target = _target()
+    r = tmp_path / "checkpoints"
+    _save(target, r / "step_1", 1)
+    _save(target, r / "step_2", 2)
+    return r
+
+
+def _rewrite(path: Path, manifest) -> None:
+    (path / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+# -- the manifest's own checksum and shape --------------------------------------------------------
+def test_manifest_is_sealed_and_any_edit_is_refused(root):
+    ckpt = root / "step_2"
+    manifest = read_manifest(ckpt)
+    assert manifest[SEAL] == manifest_digest(manifest) and manifest["run_id"] == "run-a"
+    for edit in (lambda m: m.__setitem__("step", 5), lambda m: m["trainer"]["train"].__setitem__("step", 3)):
+        edited = json.loads((ckpt / MANIFEST).read_text())
+        edit(edited)
+        _rewrite(ckpt, edited)
+        with pytest.raises(CheckpointCorruptError, match="fails its own checksum"):
+            read_manifest(ckpt)
+    resealed = dict(manifest, step=5)  # sealed again, but the counters disagree with `step`
+    resealed[SEAL] = manifest_digest(resealed)
+    _rewrite(ckpt, resealed)
+    with pytest.raises(CheckpointCorruptError, match="differs from the trainer counters' step 2"):
+        read_manifest(ckpt)
+
+
+@pytest.mark.parametrize("shape", ["[]", "null", "7", '"x"', "{}", "files-string", "no-files", "no-step",
+                                   "no-tensors", "no-trainer", "no-fingerprint", "tensor-hash-int"])
+def test_malformed_manifests_are_named_not_tracebacks(root, shape, caplog):
+    ckpt = root / "step_2"
+    manifest = read_manifest(ckpt)
+    if shape.startswith("no-"):
+        del manifest[shape[3:]]
+    elif shape == "files-string":
+        manifest["files"] = "all of them"
+    elif shape == "tensor-hash-int":
+        next(iter(manifest["tensors"].values()))["hash"] = 7
+    if shape[0] in '[n7"{':
+        (ckpt / MANIFEST).write_text(shape)
+    else:
+        manifest[SEAL] = manifest_digest(manifest)  # well sealed, still the wrong shape
+        _rewrite(ckpt, manifest)
+    with pytest.raises(CheckpointCorruptError, match="cannot be trusted") as err:
+        read_manifest(ckpt)
+    assert "\n" not in str(err.value)  # one paragraph
+    with caplog.at_level(logging.WARNING):  # auto-resume: skipped, moved aside, the older one taken
+        assert resolve_checkpoint("auto", ckpt_root=root, group=None, verify_checksums=True) == root / "step_1"
+    assert "skipping" in caplog.text and "moved step_2 to step_2.corrupt-" in caplog.text
+    assert [p.name.split("-")[0] for p in root.glob("step_2.corrupt-*")] == ["step_2.corrupt"]
+
+
+def test_explicit_resume_of_a_malformed_manifest_is_one_paragraph(root):
+    (root / "step_2" / MANIFEST).write_text('{"format": "fsdpkit-checkpoint", "format_version": 2}')
+    with pytest.raises(CheckpointCorruptError, match="fails its own checksum"):
+        resolve_checkpoint(str(root / "step_2"), ckpt_root=root, group=None)
+    assert (root / "step_2").is_dir()  # a checkpoint named explicitly is never moved
+
+
+# -- replacing a committed checkpoint ------------------------------------------------------------
+def test_a_failed_replacement_keeps_the_committed_checkpoint(tmp_path, monkeypatch):
+    target = _target()
+    path = tmp_path / ON_EXCEPTION
+    _save(target, path, 5)
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    monkeypatch.setenv(FAIL_MANIFEST_ENV, "7")
+    with pytest.raises(CheckpointSaveError, match=r"could not write .*manifest.json \(\[Errno 28\] No space left"):
+        _save(target, path, 7)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # untouched, still committed
+    assert read_manifest(path)["step"] == 5 and not (tmp_path / (ON_EXCEPTION + INCOMING)).exists()
+    monkeypatch.delenv(FAIL_MANIFEST_ENV)
+    _save(target, path, 7)
+    assert read_manifest(path)["step"] == 7
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, ON_EXCEPTION]
+
+
+def test_a_replacement_interrupted_before_the_swap_is_found_and_finished(tmp_path):
+    target = _target()
+    final = tmp_path / "step_4"
+    _save(target, final, 4)
+    _save(target, tmp_path / "step_4.incoming", 4)  # committed beside it; the swap never happened
+    assert committed_candidates(tmp_path)[0][0] == tmp_path / "step_4.incoming"
+    os.rename(final, tmp_path / "step_4.replaced")  # crash between the two renames of swap_in
+    assert [p.name for p, _ in committed_candidates(tmp_path)] == ["step_4.incoming"]
+    swap_in(tmp_path / "step_4.incoming", final)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_4"]
+
+
+def test_a_failed_manifest_write_leaves_no_debris_and_latest_unmoved(root, monkeypatch):
+    monkeypatch.setenv(FAIL_MANIFEST_ENV, "3")
+    with pytest.raises(CheckpointSaveError, match="the previous checkpoint stays latest"):
+        _save(_target(), root / "step_3", 3)
+    assert not (root / "step_3").exists() and (root / LATEST).read_text().strip() == "step_2"
+    assert not list(root.glob("step_2/.*.tmp"))
+
+
+# -- one run per directory --------------------------------------------------------------------
+def test_a_new_run_refuses_or_archives_another_runs_checkpoints(root):
+    with pytest.raises(CheckpointError, match=r"holds committed checkpoints of another run: step_1 \(step 1, "
+                                              r"run run-a\).*checkpoint.existing=archive"):
+        claim(root, run_id="run-b", resumed=None, existing="error", start="a new run: checkpoint.resume=none")
+    assert (root / "step_2" / MANIFEST).is_file()
+    lines = claim(root, run_id="run-b", resumed=None, existing="archive", start="a new run")
+    (archive,) = (root / "archive").iterdir()
+    assert sorted(p.name for p in archive.iterdir()) == [LATEST, "step_1", "step_2"]
+    assert "moved step_1, step_2 (of another run" in lines[0]
+    assert not (root / LATEST).exists() and committed_candidates(root) == []
+
+
+def test_resuming_an_older_step_moves_the_newer_history_aside(root):
+    lines = claim(root, run_id="run-a", resumed=read_manifest(root / "step_1"), existing="error", start="resumed")
+    assert "moved step_2 (newer than step 1" in lines[0]
+    assert [p.name for p, _ in committed_candidates(root)] == ["step_1"]
+    assert (root / LATEST).read_text().strip() == "step_1"  # `latest` never names a moved checkpoint
+
+
+def test_retention_touches_this_run_only_and_never_what_latest_names(root, tmp_path):
+    target = _target()
+    _save(target, root / "step_3", 3, run_id="run-b")
+    (root / LATEST).write_text("step_1\n")  # as if step_3's `latest` update had failed
+    deleted = apply_retention(root, RetentionPolicy(keep_last=1), run_id="run-a", just_committed=root / "step_2")
+    assert deleted == []  # step_1 is what latest names, step_2 was just committed, step_3 is run-b's
+    (root / LATEST).write_text("step_2\n")
+    assert apply_retention(root, RetentionPolicy(keep_last=1), run_id="run-a") == [root / "step_1"]
+    assert (root / "step_3" / MANIFEST).is_file()
+
+
+def test_a_second_process_cannot_lock_a_directory_in_use(tmp_path):
+    first = DirectoryLock(tmp_path).acquire()
+    try:
+        with pytest.raises(CheckpointError, match=rf"is in use by another run \(\{{\"pid\": {os.getpid()}"):
+            DirectoryLock(tmp_path).acquire(wait_s=0.3)
+    finally:
+        first.release()
+    DirectoryLock(tmp_path).acquire(wait_s=0).release()
+
+
+def test_copy_is_independent(root, tmp_path):
+    """The fixture's two checkpoints resolve as usual (a guard for the tests above)."""
+    shutil.copytree(root, tmp_path / "copy")
+    assert resolve_checkpoint("auto", ckpt_root=tmp_path / "copy", group=None) == tmp_path / "copy" / "step_2"
