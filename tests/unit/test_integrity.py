@@ -156,15 +156,16 @@ def test_a_new_run_refuses_or_archives_another_runs_checkpoints(root):
                                               r"run run-a\).*checkpoint.existing=archive"):
         claim(root, run_id="run-b", resumed=None, existing="error", start="a new run: checkpoint.resume=none")
     assert (root / "step_2" / MANIFEST).is_file()
-    lines = claim(root, run_id="run-b", resumed=None, existing="archive", start="a new run")
+    lines, moved = claim(root, run_id="run-b", resumed=None, existing="archive", start="a new run")
     (archive,) = (root / "archive").iterdir()
+    assert moved == {str(root / n): str(archive / n) for n in ("step_1", "step_2")}
     assert sorted(p.name for p in archive.iterdir()) == [LATEST, "step_1", "step_2"]
     assert "moved step_1, step_2 (of another run" in lines[0]
     assert not (root / LATEST).exists() and committed_candidates(root) == []
 
 
 def test_resuming_an_older_step_moves_the_newer_history_aside(root):
-    lines = claim(root, run_id="run-a", resumed=read_manifest(root / "step_1"), existing="error", start="resumed")
+    lines, _ = claim(root, run_id="run-a", resumed=read_manifest(root / "step_1"), existing="error", start="resumed")
     assert "moved step_2 (newer than step 1" in lines[0]
     assert [p.name for p, _ in committed_candidates(root)] == ["step_1"]
     assert (root / LATEST).read_text().strip() == "step_1"  # `latest` never names a moved checkpoint

@@ -82,27 +82,30 @@ class Checkpointer:
         self._async = AsyncSaver(group=groups.background, thread_count=cfg.thread_count) if cfg.async_save else None
 
     # -- the directory --------------------------------------------------------------------------
-    def open(self, *, resumed: dict[str, Any] | None, start: str) -> None:
-        """Collective, before the first step: claim the directory for this run (see ownership.py).
-        Every rank raises the same CheckpointError if rank 0 cannot.
+    def open(self, *, resumed: dict[str, Any] | None, start: str) -> dict[str, str]:
+        """Collective, before the first step and before loading: claim the directory for this run
+        (see ownership.py). Every rank raises the same CheckpointError if rank 0 cannot.
 
         Args:
             resumed: the manifest of a full resume (this run continues that run), else None.
             start: how the run started, for messages.
+        Returns: where checkpoints that were moved out of the way went ({old path: new path}).
         """
         run_id = (resumed or {}).get("run_id") or new_run_id()
 
-        def claim_directory() -> str:
-            for line in claim(self.root, run_id=run_id, resumed=resumed, existing=self.cfg.existing, start=start):
+        def claim_directory() -> tuple[str, dict[str, str]]:
+            lines, moved = claim(self.root, run_id=run_id, resumed=resumed, existing=self.cfg.existing, start=start)
+            for line in lines:
                 log.warning("%s", line)
-            return run_id
+            return run_id, moved
 
         try:
-            self.run_id = on_main(claim_directory, group=self.group, errors=(CheckpointError, OSError))
+            self.run_id, moved = on_main(claim_directory, group=self.group, errors=(CheckpointError, OSError))
         except BaseException:
             self.close()
             raise
         log.info("run id %s; checkpoints in %s", self.run_id, self.root)
+        return moved
 
     def close(self) -> None:
         """Release the directory (the lock); idempotent."""

@@ -100,14 +100,15 @@ def committed_in(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     return found
 
 
-def claim(root: Path, *, run_id: str, resumed: dict[str, Any] | None, existing: str, start: str) -> list[str]:
+def claim(root: Path, *, run_id: str, resumed: dict[str, Any] | None, existing: str,
+          start: str) -> tuple[list[str], dict[str, str]]:
     """Rank 0: make `root` hold this run's history only (see the module docstring).
 
     Args:
         resumed: the manifest this run resumed from in full, or None (a new run).
         existing: `error` or `archive`, for committed checkpoints of another run.
         start: how this run started, for messages (e.g. "a new run: checkpoint.resume=none").
-    Returns: log lines describing what was moved.
+    Returns: log lines describing what was moved, and where each moved checkpoint went.
     Raises:
         CheckpointError: `root` holds another run's checkpoints and `existing` is `error`.
     """
@@ -120,7 +121,8 @@ def claim(root: Path, *, run_id: str, resumed: dict[str, Any] | None, existing: 
             foreign.append((path, manifest))
         elif resumed is not None and manifest["step"] > resumed["step"]:
             newer.append((path, manifest))
-    lines = []
+    lines: list[str] = []
+    moved: dict[str, str] = {}
     if foreign:
         names = ", ".join(f"{p.name} (step {m['step']}, run {m['run_id'][:8]})" for p, m in sorted(foreign))
         if existing == "error":
@@ -130,15 +132,15 @@ def claim(root: Path, *, run_id: str, resumed: dict[str, Any] | None, existing: 
                 "auto-resume could pick theirs. Choose one: checkpoint.resume=auto to continue that run; "
                 "checkpoint.dir=<a new directory> (or another run_dir) to start beside it; or "
                 f"checkpoint.existing=archive to move them to {root / ARCHIVE}/<time>/ (nothing is deleted)")
-        lines.append(_archive(root, [p for p, _ in foreign], why="of another run (checkpoint.existing=archive)"))
+        lines.append(_archive(root, [p for p, _ in foreign], moved, why="of another run (checkpoint.existing=archive)"))
     if newer:
-        lines.append(_archive(root, [p for p, _ in newer],
+        lines.append(_archive(root, [p for p, _ in newer], moved,
                               why=f"newer than step {resumed['step']}, which this run resumed from"))
     lines += repair_latest(root)
-    return lines
+    return lines, moved
 
 
-def _archive(root: Path, paths: list[Path], *, why: str) -> str:
+def _archive(root: Path, paths: list[Path], moved: dict[str, str], *, why: str) -> str:
     """Move `paths` (and `latest`, when it names one of them) into a new archive/<time>/."""
     dest = root / ARCHIVE / utc_stamp()
     dest.mkdir(parents=True)
@@ -148,6 +150,7 @@ def _archive(root: Path, paths: list[Path], *, why: str) -> str:
         latest_names = None
     for p in sorted(paths):
         os.rename(p, dest / p.name)
+        moved[str(p)] = str(dest / p.name)
     if latest_names in {p.name for p in paths}:
         os.rename(root / LATEST, dest / LATEST)
     fsync_dir(root)

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from fsdpkit import __version__, dist
 from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, lock_directory
+from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.ownership import DirectoryLock
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.config import Config, check_world_size, to_yaml
@@ -156,14 +157,17 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def start_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups,
                        resume_path: Path | None, lock: DirectoryLock | None = None) -> dict[str, Any] | None:
-    """Attach a Checkpointer, resume from `resume_path` (if any) and claim the checkpoint
-    directory for this run; collective. Returns the resume report (None for a fresh start)."""
+    """Attach a Checkpointer, claim the checkpoint directory for this run, then resume from
+    `resume_path` (if any); collective. Returns the resume report (None for a fresh start).
+
+    The claim comes first, so that a run refused the directory has loaded and logged nothing."""
     checkpointer = attach_checkpointer(trainer, cfg, plan, groups=groups, lock=lock)
-    report = checkpointer.resume_from(resume_path) if resume_path is not None else None
-    resumed = report["manifest"] if report is not None else None
+    resumed = read_manifest(resume_path) if resume_path is not None else None
     full = resumed is not None and cfg.checkpoint.resume_mode == "full"
-    checkpointer.open(resumed=resumed if full else None, start=_how_started(cfg, resumed))
-    return report
+    moved = checkpointer.open(resumed=resumed if full else None, start=_how_started(cfg, resumed))
+    if resume_path is None:
+        return None
+    return checkpointer.resume_from(Path(moved.get(str(resume_path), resume_path)))
 
 
 def _how_started(cfg: Config, resumed: dict[str, Any] | None) -> str:
