@@ -16,8 +16,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, fsdpkit  # noqa: E402
+from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
-from fsdpkit.train.preemption import EXIT_PREEMPTED  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 ARGS = ["--nproc", "2", "experiment=demo", "deterministic=true", "train.max_steps=60", "train.eval_every=0",

@@ -224,13 +224,15 @@ class Resumer:
 
     def resume(self, root: Path) -> tuple[int | None, Any]:
         """Auto-resume from `root` as `fsdpkit train` does: (step, state signature) or (None, None)."""
-        self.cfg.checkpoint.dir = str(root)
-        self.checkpointer.root = root
-        path = type(self.checkpointer).resolve(self.cfg.checkpoint, group=None)
-        if path is None:
+        ckpt = self.checkpointer
+        ckpt.cfg.dir, ckpt.root, ckpt.resumed = str(root), root, None
+        try:
+            ckpt.resume()
+        finally:
+            ckpt.close(wait=False)  # the lock: every mutation is a new run of fsdpkit
+        if ckpt.resumed is None:
             return None, None
-        report = self.checkpointer.resume_from(path)
-        return report["manifest"]["step"], self.signature()
+        return ckpt.resumed["step"], self.signature()
 
     def signature(self) -> Any:
         target = self.checkpointer.target

@@ -29,7 +29,7 @@ from fsdpkit.config import compose_config
 from fsdpkit.train.determinism import enable_determinism
 from fsdpkit.train.loop import RAISE_AT_ENV
 from fsdpkit.train.metrics import read_records
-from fsdpkit.train.run import build_trainer, start_checkpointer
+from fsdpkit.train.run import attach_checkpointer, build_trainer
 
 
 def manifest(path: Path) -> dict:
@@ -43,8 +43,8 @@ def async_by_hand(work: Path) -> dict:
         run.mkdir(parents=True)
     tdist.barrier()
     trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=run)
-    start_checkpointer(trainer, cfg, plan, groups=ckpt_worker.GROUPS, resume_path=None)
-    ckpt = trainer.checkpointer
+    ckpt = attach_checkpointer(trainer, cfg, plan, groups=ckpt_worker.GROUPS)
+    ckpt.resume()
     for _ in range(3):
         trainer.train_step()
     os.environ[SLOW_WRITE_ENV] = "1.5"
@@ -54,7 +54,7 @@ def async_by_hand(work: Path) -> dict:
         trainer.train_step()  # the parameters and optimizer state move on while step_3 is written
     in_flight_after_two_steps = not ckpt._async.done()
     del os.environ[SLOW_WRITE_ENV]
-    ckpt.finish()
+    ckpt.close()
     trainer.metrics.close()
     return {"in_flight_after_two_steps": in_flight_after_two_steps, "stall_s": stall_s,
             "events": read_records(run, events=True) if dist.is_main() else []}

@@ -23,11 +23,11 @@ import torch.distributed as tdist
 
 from fsdpkit import dist
 from fsdpkit.checkpoint.errors import CheckpointMismatchError
-from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
+from fsdpkit.checkpoint.manager import CheckpointGroups, find_checkpoint
 from fsdpkit.config import compose_config
 from fsdpkit.train.determinism import enable_determinism
 from fsdpkit.train.metrics import read_records
-from fsdpkit.train.run import build_trainer, start_checkpointer
+from fsdpkit.train.run import attach_checkpointer, build_trainer
 
 STEPS = 12
 BASE = ["deterministic=true", f"train.max_steps={STEPS}", "train.global_batch_size=12", "train.micro_batch_size=1",
@@ -43,9 +43,12 @@ def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, 
     if dist.is_main():
         run_dir.mkdir(parents=True, exist_ok=True)
     tdist.barrier()
-    path = Checkpointer.resolve(cfg.checkpoint, group=GROUPS.sync)
+    found = find_checkpoint(cfg.checkpoint, group=GROUPS.sync)
+    path = found.path
     trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=run_dir, init=path is None)
-    report = start_checkpointer(trainer, cfg, plan, groups=GROUPS, resume_path=path)
+    ckpt = attach_checkpointer(trainer, cfg, plan, groups=GROUPS)
+    ckpt.resume(found)
+    report = ckpt.resumed
     if dump_loaded_to is not None:
         dump_full_state(trainer, dump_loaded_to)
     start = trainer.state.step

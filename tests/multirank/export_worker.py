@@ -26,7 +26,7 @@ from fsdpkit.export.hf_import import load_hf_weights
 from fsdpkit.model import logits
 from fsdpkit.parallel import build_sharded_model
 from fsdpkit.train.determinism import enable_determinism
-from fsdpkit.train.run import build_trainer, start_checkpointer
+from fsdpkit.train.run import attach_checkpointer, build_trainer
 
 COMMON = ["train.max_steps=3", "train.global_batch_size=8", "train.micro_batch_size=4", "train.eval_samples=4",
           "train.progress=false", "log_level=WARNING", "checkpoint.save_at_end=true"]
@@ -56,7 +56,7 @@ def phase_train(work: Path) -> None:
             Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         tdist.barrier()
         trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=Path(cfg.run_dir))
-        start_checkpointer(trainer, cfg, plan, groups=groups, resume_path=None)
+        attach_checkpointer(trainer, cfg, plan, groups=groups).resume()
         trainer.fit()
         trainer.metrics.close()
         del trainer

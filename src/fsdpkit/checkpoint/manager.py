@@ -1,5 +1,18 @@
-"""The Checkpointer: what a training loop calls to resume, to save on its cadence (synchronously
-or in the background), to save when preempted, and to save when it fails."""
+"""The Checkpointer: fsdpkit's checkpoints for any FSDP2 training loop (fsdpkit's own trainer uses
+exactly this class).
+
+    ckpt = Checkpointer(dir, model=model, optimizer=opt, scheduler=sched, state={"data": loader_state},
+                        every_steps=500, async_save=True, keep_last=3)
+    start = ckpt.resume()                     # the newest intact committed checkpoint's step, or 0
+    for step in range(start + 1, max_steps + 1):
+        ...                                   # forward, backward, optimizer.step(), scheduler.step()
+        if ckpt.step(step, metrics={"loss": loss}, last=step == max_steps):
+            break                             # a preemption signal: the state is saved; exit (75)
+    ckpt.close()                              # waits for the last save
+
+Every method is collective: all ranks call it at the same point. Keyword arguments are the
+`checkpoint.*` settings of the trainer (see the README's option table); the defaults are the same.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +20,26 @@ import datetime
 import logging
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
+from torch import nn
 
 from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
 from fsdpkit.checkpoint.errors import CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, step_dir_name
-from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary
+from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary, read_manifest
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim, new_run_id
+from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
 from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import save_checkpoint
-from fsdpkit.checkpoint.state import CheckpointTarget
+from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful
+from fsdpkit.config import validate_checkpoint
 from fsdpkit.config.schema import CheckpointConfig
 from fsdpkit.dist import on_main
 
@@ -32,6 +48,8 @@ log = logging.getLogger("fsdpkit.checkpoint")
 # prove that `fsdpkit resume-check` catches state that a resume loses.
 SKIP_RESTORE_ENV = "FSDPKIT_TEST_SKIP_RESTORE"
 METRICS_IN_MANIFEST = ("loss", "val_loss", "grad_norm")
+_LAST_STEP = object()  # on_exception's default boundary: the last step passed to step()
+__all__ = ["EXIT_PREEMPTED", "CheckpointGroups", "Checkpointer", "find_checkpoint"]
 
 
 def _gloo_group(timeout_s: float) -> tdist.ProcessGroup | None:
@@ -43,8 +61,8 @@ def _gloo_group(timeout_s: float) -> tdist.ProcessGroup | None:
 @dataclass
 class CheckpointGroups:
     """Gloo groups, each with its own timeout, so that a dead or stuck rank fails a collective
-    instead of hanging it: `sync` (saves and loads on the main thread), `background` (used only by
-    the async save thread) and `agreement` (the on_exception vote)."""
+    instead of hanging it: `sync` (saves, loads and the per-step agreement on the main thread),
+    `background` (used only by the async save thread) and `agreement` (the on_exception vote)."""
 
     sync: tdist.ProcessGroup | None
     background: tdist.ProcessGroup | None
@@ -58,39 +76,146 @@ class CheckpointGroups:
                    agreement=_gloo_group(cfg.exception_timeout_s) if cfg.on_exception else None)
 
 
+@dataclass
+class Found:
+    """What `find_checkpoint` found: the checkpoint to resume from (None: start fresh) and rank 0's
+    lock on the directory, handed on to the Checkpointer."""
+
+    path: Path | None
+    lock: DirectoryLock | None
+
+
+def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Found:
+    """Collective: lock `cfg.dir` (rank 0) and resolve `cfg.resume` (verifying checksums; corrupt
+    candidates are moved aside). A loop that wants to know before building its model whether it
+    will resume (to skip random init) calls this, then `Checkpointer.resume(found)`."""
+    held: list[DirectoryLock] = []
+
+    def acquire() -> None:
+        root = Path(cfg.dir)
+        root.mkdir(parents=True, exist_ok=True)
+        held.append(DirectoryLock(root).acquire())
+
+    on_main(acquire, group=group, errors=(CheckpointError, OSError))
+    lock = held[0] if held else None
+    try:
+        path = resolve_checkpoint(cfg.resume, ckpt_root=Path(cfg.dir), group=group,
+                                  verify_checksums=cfg.verify_checksums)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return Found(path=path, lock=lock)
+
+
 class Checkpointer:
-    """Saves `target` on the configured cadence and at the end; resumes from `cfg.resume`.
+    """Sharded, checksummed, atomically committed checkpoints of `model`, `optimizer`, `scheduler`
+    and any `state` (dicts or Stateful objects, the same on every rank: a data loader's position,
+    an EMA, counters), with async save, retention, preemption and on-exception saves.
 
-    `lock` is rank 0's hold on the directory (`lock_directory`), released by `close()`/`finish()`."""
+    Args:
+        dir: the checkpoints root (step_<N>/ directories, `latest`).
+        model: the FSDP2-sharded model (plain modules work too).
+        optimizer, scheduler: saved and restored with the model (optional).
+        state: name -> dict or Stateful; JSON in the manifest, tensors in the DCP files.
+        config: a JSON-able dict recorded in every manifest (e.g. your run's settings).
+        sharding: how the model was sharded, recorded in the fingerprint (notes on change).
+        mesh: the device mesh's description, recorded in the manifest.
+        on_event: called with every `{"event": "checkpoint" | "resume", ...}` record.
+        groups: gloo groups to use (default: created here, collectively).
+        **settings: the `checkpoint.*` settings (every_steps, every_minutes, save_at_end, resume,
+            resume_mode, existing, async_save, keep_last, keep_every, keep_best, keep_best_metric,
+            keep_best_mode, verify_checksums, verify_on_load, timeout_s, exception_timeout_s,
+            thread_count, on_exception, preemption_signals), plus state_dict_type (sharded|full).
+    Raises:
+        ValueError: a setting is out of range (the message names it).
+    """
 
-    def __init__(self, cfg: CheckpointConfig, *, target: CheckpointTarget, groups: CheckpointGroups,
-                 sharding: dict[str, Any], run_meta: dict[str, Any], state_dict_type: str = "sharded",
-                 on_event: Callable[[dict[str, Any]], None] | None = None, lock: DirectoryLock | None = None):
-        self.cfg, self.target, self.groups = cfg, target, groups
-        self.group = groups.sync
+    def __init__(self, dir: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any = None, state: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
+                 sharding: dict[str, Any] | None = None, mesh: dict[str, Any] | None = None,
+                 on_event: Callable[[dict[str, Any]], None] | None = None, groups: CheckpointGroups | None = None,
+                 state_dict_type: str = "sharded", **settings: Any):
+        known = {f.name for f in fields(CheckpointConfig)} - {"dir"}
+        if unknown := sorted(settings.keys() - known):
+            raise TypeError(f"Checkpointer got unknown setting(s) {unknown}; known: {sorted(known)}")
+        if "preemption_signals" in settings:
+            settings["preemption_signals"] = list(settings["preemption_signals"])
+        self.cfg = CheckpointConfig(dir=str(dir), **settings)
+        validate_checkpoint(self.cfg, state_dict_type=state_dict_type)
+        stateful = {"scheduler": as_stateful(scheduler, name="scheduler")} if scheduler is not None else {}
+        for name, obj in (state or {}).items():
+            if name in stateful:
+                raise ValueError(f"checkpoint state {name!r} is taken by the scheduler; choose another name")
+            stateful[name] = as_stateful(obj, name=name)
+        self.target = CheckpointTarget(model=model, optimizer=optimizer, stateful=stateful)
+        self.groups = groups if groups is not None else CheckpointGroups.create(self.cfg)
+        self.group = self.groups.sync
         self.state_dict_type = state_dict_type
-        self.root = Path(cfg.dir)
-        self.sharding, self.run_meta = sharding, run_meta
+        self.root = Path(self.cfg.dir)
+        self.sharding = sharding or {}
+        self.run_meta = {**({"mesh": mesh} if mesh else {}), **({"config": config} if config else {})}
         self.on_event = on_event or (lambda record: None)
-        self.retention = RetentionPolicy(keep_last=cfg.keep_last, keep_every=cfg.keep_every, keep_best=cfg.keep_best,
-                                         metric=cfg.keep_best_metric, mode=cfg.keep_best_mode)
+        c = self.cfg
+        self.retention = RetentionPolicy(keep_last=c.keep_last, keep_every=c.keep_every, keep_best=c.keep_best,
+                                         metric=c.keep_best_metric, mode=c.keep_best_mode)
+        self.preemption = PreemptionHandler(c.preemption_signals)
+        self.run_id: str | None = None  # set by resume(): this run's, or the resumed run's
+        self.resumed: dict[str, Any] | None = None  # the resume event, if this run resumed
         self.last_saved_step: int | None = None
-        self.run_id: str | None = None  # set by open(): this run's, or the resumed run's
-        self.lock = lock
+        self.lock: DirectoryLock | None = None
+        self._last_step: int | None = None
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
-        self._async = AsyncSaver(group=groups.background, thread_count=cfg.thread_count) if cfg.async_save else None
+        self._async = AsyncSaver(group=self.groups.background, thread_count=c.thread_count) if c.async_save else None
 
-    # -- the directory --------------------------------------------------------------------------
-    def open(self, *, resumed: dict[str, Any] | None, start: str) -> dict[str, str]:
-        """Collective, before the first step and before loading: claim the directory for this run
-        (see ownership.py). Every rank raises the same CheckpointError if rank 0 cannot.
+    @classmethod
+    def from_config(cls, cfg: CheckpointConfig, **kwargs: Any) -> Checkpointer:
+        """A Checkpointer with the settings of a `checkpoint.*` config (fsdpkit's trainer)."""
+        settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "dir"}
+        return cls(cfg.dir, **settings, **kwargs)
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        if isinstance(error, Exception):
+            self.on_exception(error)
+            self.close(wait=False)
+        else:
+            self.close()
+
+    # -- resume -----------------------------------------------------------------------------
+    def resume(self, found: Found | None = None) -> int:
+        """Collective, before the first step: find the checkpoint to resume from (per `resume`),
+        claim the directory for this run (see ownership.py), load everything, verify it, and
+        install the preemption handlers. Returns the step to continue after (0: a fresh start;
+        also 0 after a model_only load).
 
         Args:
-            resumed: the manifest of a full resume (this run continues that run), else None.
-            start: how the run started, for messages.
-        Returns: where checkpoints that were moved out of the way went ({old path: new path}).
+            found: what `find_checkpoint` found already (fsdpkit's trainer), else found here.
+        Raises:
+            CheckpointError: the directory belongs to another run, a named checkpoint is missing or
+                corrupt, or the checkpoint does not fit the model (the message says what to do).
         """
+        found = found or find_checkpoint(self.cfg, group=self.group)
+        self.lock = found.lock
+        try:
+            path = found.path
+            manifest = read_manifest(path) if path is not None else None
+            full = manifest is not None and self.cfg.resume_mode == "full"
+            moved = self._claim(resumed=manifest if full else None, start=self._how_started(manifest))
+            if path is not None:
+                self._load(Path(moved.get(str(path), path)))
+        except BaseException:
+            self.close(wait=False)
+            raise
+        self.preemption.install()
+        if self.resumed is None or self.cfg.resume_mode == "model_only":
+            return 0
+        return int(self.resumed["step"])
+
+    def _claim(self, *, resumed: dict[str, Any] | None, start: str) -> dict[str, str]:
         run_id = (resumed or {}).get("run_id") or new_run_id()
 
         def claim_directory() -> tuple[str, dict[str, str]]:
@@ -99,28 +224,24 @@ class Checkpointer:
                 log.warning("%s", line)
             return run_id, moved
 
-        try:
-            self.run_id, moved = on_main(claim_directory, group=self.group, errors=(CheckpointError, OSError))
-        except BaseException:
-            self.close()
-            raise
+        self.run_id, moved = on_main(claim_directory, group=self.group, errors=(CheckpointError, OSError))
         log.info("run id %s; checkpoints in %s", self.run_id, self.root)
         return moved
 
-    def close(self) -> None:
-        """Release the directory (the lock); idempotent."""
-        if self.lock is not None:
-            self.lock.release()
-            self.lock = None
+    def _how_started(self, manifest: dict[str, Any] | None) -> str:
+        if manifest is None:
+            return ("a new run: resume=none" if self.cfg.resume == "none"
+                    else f"a new run: resume={self.cfg.resume} found nothing to resume")
+        if self.cfg.resume_mode == "model_only":
+            return f"a new run: it loaded weights only from step {manifest['step']} (resume_mode=model_only)"
+        return f"resumed from step {manifest['step']}"
 
-    # -- resume -----------------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:
         if self._fingerprint is None:  # the model's structure never changes during a run
             self._fingerprint = model_fingerprint(self.target.model, sharding=self.sharding)
         return self._fingerprint
 
-    def resume_from(self, path: Path) -> dict[str, Any]:
-        """Load `path` (already resolved on every rank) and log what happened."""
+    def _load(self, path: Path) -> dict[str, Any]:
         model_only = self.cfg.resume_mode == "model_only"
         report = load_checkpoint(self.target, path, fingerprint=self.fingerprint(), group=self.group,
                                  model_only=model_only, verify=self.cfg.verify_on_load,
@@ -132,28 +253,38 @@ class Checkpointer:
         for note in report["notes"]:
             log.info("note: %s", note)
         if not model_only:
-            self.last_saved_step = manifest["step"]
-        self.on_event({"event": "resume", "step": manifest["step"], "path": str(path), "load_s": report["load_s"],
-                       "saved_world_size": manifest["world_size"], "mode": self.cfg.resume_mode})
+            self.last_saved_step = self._last_step = manifest["step"]
+        self.resumed = {"event": "resume", "step": manifest["step"], "path": str(path), "load_s": report["load_s"],
+                        "verify_s": report["verify_s"], "saved_world_size": manifest["world_size"],
+                        "mode": self.cfg.resume_mode, "notes": report["notes"]}
+        self.on_event(self.resumed)
         return report
 
-    @staticmethod
-    def resolve(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Path | None:
-        return resolve_checkpoint(cfg.resume, ckpt_root=Path(cfg.dir), group=group,
-                                  verify_checksums=cfg.verify_checksums)
-
-    # -- saving -----------------------------------------------------------------------------
+    # -- every step ---------------------------------------------------------------------------
     def local_flags(self) -> list[float]:
-        """This rank's view of what should happen at this step boundary, to be summed over all
-        ranks in the step's one all-reduce, so that every rank acts at the same step."""
+        """This rank's view of what should happen at this step boundary — a preemption signal,
+        the time cadence, a failed background save — to be summed over all ranks so that every
+        rank acts at the same step. `step()` sums them itself; a loop that already all-reduces
+        something every step can carry them and pass the sums as `step(..., agreed=)`."""
+        preempted = self.preemption.received is not None
         time_due = self.cfg.every_minutes > 0 and time.monotonic() - self._last_save_t >= self.cfg.every_minutes * 60
         failed = self._async is not None and self._async.failed()
-        return [float(time_due), float(failed)]
+        return [float(preempted), float(time_due), float(failed)]
 
-    def after_step(self, step: int, *, last: bool, metrics: dict[str, Any], agreed: list[float],
-                   preempted: bool = False) -> None:
-        """Called by every rank at every step boundary with the summed `local_flags()`."""
-        time_due, failed = agreed
+    def step(self, step: int, *, metrics: dict[str, Any] | None = None, last: bool = False,
+             agreed: Sequence[float] | None = None) -> bool:
+        """Collective, after the optimizer update of `step`: save if the cadence (every_steps,
+        every_minutes, save_at_end with `last`) or a preemption signal says so.
+
+        Returns: True when a preemption signal reached any rank: the state at `step` is committed
+        and the loop should stop (exit with EXIT_PREEMPTED, 75, to be restarted).
+        Raises:
+            CheckpointSaveError: a save failed on some rank (every rank raises it at this step).
+        """
+        if self.run_id is None:
+            raise CheckpointError("Checkpointer.resume() must be called (on every rank) before the first step")
+        self._last_step = step
+        preempted, time_due, failed = agreed if agreed is not None else self._sum(self.local_flags())
         if failed:
             self._raise_background_failure()
         if self._async is not None and (done := self._async.collect_if_ok()) is not None:
@@ -161,16 +292,23 @@ class Checkpointer:
         reason = ("preempted" if preempted else "end" if last and self.cfg.save_at_end
                   else "every_steps" if self.cfg.every_steps and step % self.cfg.every_steps == 0
                   else "every_minutes" if time_due else None)
-        if reason is None or self.last_saved_step == step:
-            return
-        self.save(step, reason=reason, metrics=metrics, wait=preempted)
+        if reason is not None and self.last_saved_step != step:
+            self.save(step, reason=reason, metrics=metrics, wait=bool(preempted))
+        return bool(preempted)
 
+    def _sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        if tdist.is_initialized() and tdist.get_world_size(self.group) > 1:
+            tdist.all_reduce(t, group=self.group)
+        return t.tolist()
+
+    # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, *, reason: str = "manual", metrics: dict[str, Any] | None = None,
              wait: bool = False) -> Path:
-        """Save `step`: in the background when async_save is on (unless `wait`), else now. A
-        committed checkpoint of the same step is replaced once the new one is committed."""
+        """Collective: save `step` now (in the background when async_save is on, unless `wait`).
+        A committed checkpoint of the same step is replaced once the new one is committed."""
         if self.run_id is None:
-            raise CheckpointError("Checkpointer.open() must be called before the first save")
+            raise CheckpointError("Checkpointer.resume() must be called (on every rank) before the first save")
         path = self.root / step_dir_name(step)
         if (path / MANIFEST).is_file():
             log.warning("checkpoint %s is committed already; it is replaced once step %d is saved again", path, step)
@@ -194,24 +332,41 @@ class Checkpointer:
         self.last_saved_step = step
         return path
 
-    def finish(self) -> None:
-        """Wait for the save in flight (the run's end): its errors are raised here."""
+    def close(self, *, wait: bool = True) -> None:
+        """Collective (with `wait`): wait for the save in flight (its errors are raised here), then
+        release the directory and the signal handlers. `wait=False` after a failure: a peer may be
+        gone, so nothing is waited for. Idempotent."""
         try:
-            if self._async is not None:
-                try:
-                    done = self._async.wait()
-                finally:
-                    self._async.close()
+            if self._async is not None and wait:
+                done = self._async.wait()
                 if done is not None:
                     self._report(done)
         finally:
-            self.close()
+            if self._async is not None and wait:
+                self._async.close()
+            self.preemption.uninstall()
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
 
-    def on_exception(self, error: BaseException, *, boundary_step: int | None) -> None:
-        """Save to on_exception/ if every rank is at the same consistent step boundary and can take
-        part; otherwise say why not. Never raises: the caller re-raises `error` afterwards."""
+    def on_exception(self, error: BaseException, *, boundary_step: Any = _LAST_STEP) -> None:
+        """Collective among the ranks that can still take part: save to on_exception/ if every rank
+        is at the same consistent step boundary; otherwise say why not. Never raises: the caller
+        re-raises `error` afterwards.
+
+        Args:
+            boundary_step: the step whose state the live objects hold, or None when the failure hit
+                the optimizer update (the state is then half-updated and is not saved). Default:
+                the last step passed to `step()` — right when the failure happened outside
+                `optimizer.step()`.
+        """
         if not self.cfg.on_exception or self.run_id is None:  # None: failed before the directory was claimed
             return
+        if boundary_step is _LAST_STEP:
+            if self._last_step is None:
+                log.error("not saving on_exception: no step completed before %s", type(error).__name__)
+                return
+            boundary_step = self._last_step
         rank = tdist.get_rank() if tdist.is_initialized() else 0
         log.error("rank %d: training failed with %s: %s; checking whether every rank can save on_exception",
                   rank, type(error).__name__, error)
@@ -283,20 +438,6 @@ class Checkpointer:
                      result.path.name, result.mode, result.reason, max(per_rank) / 2**20, result.stall_s,
                      result.background_s, record["throughput_gbps"] or 0.0)
         self.on_event(record)
-
-
-def lock_directory(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> DirectoryLock | None:
-    """Collective: rank 0 creates and locks `cfg.dir` for this run's life (returned to rank 0,
-    None elsewhere). Every rank raises the same CheckpointError if it is in use or not writable."""
-    held: list[DirectoryLock] = []
-
-    def acquire() -> None:
-        root = Path(cfg.dir)
-        root.mkdir(parents=True, exist_ok=True)
-        held.append(DirectoryLock(root).acquire())
-
-    on_main(acquire, group=group, errors=(CheckpointError, OSError))
-    return held[0] if held else None
 
 
 def _agree_on_step(step: int | None, *, group: tdist.ProcessGroup | None) -> int | None:

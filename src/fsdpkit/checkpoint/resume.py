@@ -22,7 +22,7 @@ from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, mo
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
-from fsdpkit.checkpoint.state import CheckpointTarget, restore_rng
+from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -168,14 +168,15 @@ def load_checkpoint(
     manifest = read_manifest(ckpt_dir)
     notes = check_fingerprint(manifest["fingerprint"], fingerprint, ckpt_dir=ckpt_dir)
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    tensors: dict[str, Any] = {}
     if manifest.get("state_dict_type", "sharded") == "full":
         rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
     else:
-        rng = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only)
+        rng, tensors = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only)
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
     if not model_only:
-        _restore_stateful(target, manifest, skip=skip, ckpt_dir=ckpt_dir)
+        _restore_stateful(target, manifest, tensors, skip=skip, ckpt_dir=ckpt_dir)
         if rng is not None:
             restore_rng(rng)
     t_load = time.perf_counter()
@@ -185,8 +186,8 @@ def load_checkpoint(
     return {"manifest": manifest, "notes": notes, "load_s": t_load - t0, "verify_s": t_verify - t_load}
 
 
-def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], *, skip: frozenset[str],
-                      ckpt_dir: Path) -> None:
+def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensors: dict[str, Any], *,
+                      skip: frozenset[str], ckpt_dir: Path) -> None:
     missing = sorted(target.stateful.keys() - manifest["trainer"].keys() - skip)
     if missing:
         raise CheckpointMismatchError(
@@ -196,7 +197,7 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], *, ski
         if name in skip:
             continue
         try:
-            obj.load_state_dict(manifest["trainer"][name])
+            obj.load_state_dict(join_tensors(manifest["trainer"][name], tensors))
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointMismatchError(
                 f"checkpoint {ckpt_dir}: the saved `{name}` state does not fit this run ({type(e).__name__}: {e}); "
@@ -204,8 +205,9 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], *, ski
 
 
 def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None,
-                  model_only: bool) -> dict[str, Any] | None:
-    """DCP load (resharding as needed) into the live model/optimizer; returns this rank's RNG state."""
+                  model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """DCP load (resharding as needed) into the live model/optimizer; returns this rank's RNG
+    state and the Stateful pieces' tensors (by `state.<name>.<path>`)."""
     state = target.tensor_state(rank=rank, with_optimizer=not model_only)
     reader = SafeFileSystemReader(ckpt_dir)
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
@@ -213,7 +215,8 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
         del state["rng"]
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     target.restore_tensors(state)
-    return state["rng"][f"rank{rank}"] if "rng" in state else None
+    tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
+    return (state["rng"][f"rank{rank}"] if "rng" in state else None), tensors
 
 
 def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None,

@@ -47,8 +47,9 @@ def _dies_during_this_save(step: int, rank: int) -> bool:
 
 
 def checksummed_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The model and optimizer tensors of a DCP state dict, by DCP key (RNG is per rank: excluded)."""
-    flat = flatten({k: v for k, v in state.items() if k in ("model", "optim")})
+    """The model, optimizer and Stateful tensors of a DCP state dict, by DCP key (RNG is per rank:
+    excluded)."""
+    flat = flatten({k: v for k, v in state.items() if k in ("model", "optim", "state")})
     return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
@@ -119,6 +120,10 @@ def save_checkpoint(
     snapshot = capture(target, step=step, meta=meta, rank=rank)
     if state_dict_type != "full":
         return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit)
+
+    if "state" in snapshot.state:
+        raise CheckpointSaveError("strategy.state_dict_type=full cannot hold tensors in the checkpoint `state` "
+                                  f"({', '.join(sorted(snapshot.state['state'])[:5])}); use the sharded type")
 
     def write(into: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # rank 0 gathers and writes safetensors
         written = write_full(target, into, rank=rank, group=group)

@@ -1,9 +1,11 @@
 """What a checkpoint holds, gathered from (and restored into) a training run.
 
 - DCP tensors: `model.*` and `optim.*` (sharded, from torch's `get_state_dict`, whose keys are
-  wrapper-free FQNs) and `rng.rank<r>.*` (each rank's generators);
-- the manifest (JSON): the `Stateful` pieces that are small and the same on every rank — trainer
-  counters, LR scheduler, data cursor.
+  wrapper-free FQNs), `rng.rank<r>.*` (each rank's generators), and `state.<name>.<path>`: tensors
+  inside the `Stateful` pieces (an EMA, a loader's buffers);
+- the manifest (JSON): everything else in the `Stateful` pieces, which are the same on every rank —
+  trainer counters, LR scheduler, data cursor — with each tensor replaced by a reference
+  `{"__tensor__": "<DCP key>"}`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,60 @@ class Stateful(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
+TENSOR_REF = "__tensor__"
+
+
+class DictState:
+    """A plain dict as a Stateful: saved as it is, restored in place (the caller's dict object)."""
+
+    def __init__(self, data: dict[str, Any]):
+        self.data = data
+
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.data)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.data.clear()
+        self.data.update(state)
+
+
+def as_stateful(obj: Any, *, name: str) -> Stateful:
+    if isinstance(obj, dict):
+        return DictState(obj)
+    if callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None)):
+        return obj
+    raise TypeError(f"checkpoint state {name!r} is a {type(obj).__name__}: pass a dict or an object with "
+                    "state_dict() and load_state_dict() (a Stateful)")
+
+
+def split_tensors(tree: Any, prefix: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    """`tree` with each tensor replaced by {TENSOR_REF: key}, and the tensors by key."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node
+            return {TENSOR_REF: path}
+        if isinstance(node, dict):
+            return {k: walk(v, f"{path}.{k}") for k, v in node.items()}
+        if isinstance(node, list | tuple):
+            return [walk(v, f"{path}.{i}") for i, v in enumerate(node)]
+        return node
+
+    return walk(tree, prefix), tensors
+
+
+def join_tensors(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Undo split_tensors: references replaced by the (loaded) tensors."""
+    if isinstance(tree, dict):
+        if set(tree) == {TENSOR_REF}:
+            return tensors[tree[TENSOR_REF]]
+        return {k: join_tensors(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [join_tensors(v, tensors) for v in tree]
+    return tree
+
+
 @dataclass
 class CheckpointTarget:
     """The live objects a checkpoint is taken from and restored into."""
@@ -36,13 +92,18 @@ class CheckpointTarget:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     stateful: dict[str, Stateful] = field(default_factory=dict)
-    """Small, rank-identical state stored in the manifest as JSON (train counters, scheduler, data)."""
+    """Rank-identical state (train counters, scheduler, data cursor, an EMA...): JSON in the
+    manifest, and its tensors, if any, in the DCP files under `state.<name>.`."""
 
     def tensor_state(self, *, rank: int, with_optimizer: bool = True) -> dict[str, Any]:
-        """The DCP state dict: model and optimizer shards plus this rank's RNG state."""
+        """The DCP state dict: model and optimizer shards, the Stateful pieces' tensors, and this
+        rank's RNG state."""
         if self.optimizer is not None and with_optimizer:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            return {"model": model_sd, "optim": optim_sd, "rng": {f"rank{rank}": capture_rng()}}
+            out = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{rank}": capture_rng()}}
+            if tensors := self._stateful_tensors():
+                out["state"] = tensors
+            return out
         return {"model": get_model_state_dict(self.model)}
 
     def restore_tensors(self, state: dict[str, Any]) -> None:
@@ -52,7 +113,13 @@ class CheckpointTarget:
             set_model_state_dict(self.model, state["model"])
 
     def json_state(self) -> dict[str, Any]:
-        return {name: obj.state_dict() for name, obj in self.stateful.items()}
+        return {name: split_tensors(obj.state_dict(), f"state.{name}")[0] for name, obj in self.stateful.items()}
+
+    def _stateful_tensors(self) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name, obj in self.stateful.items():
+            out.update(split_tensors(obj.state_dict(), f"state.{name}")[1])
+        return {k.removeprefix("state."): v for k, v in out.items()}
 
 
 def capture_rng() -> dict[str, torch.Tensor]:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED
 from fsdpkit.cli import ckpt as ckpt_cli
 from fsdpkit.cli import plot as plot_cli
-from fsdpkit.train.preemption import EXIT_PREEMPTED
 
 if TYPE_CHECKING:
     from fsdpkit.config import Config

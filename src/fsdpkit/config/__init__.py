@@ -1,6 +1,12 @@
 """Typed configuration: the schema and its Hydra composition."""
 
-from fsdpkit.config.compose import accumulation_steps, check_world_size, compose_config, to_yaml
+from fsdpkit.config.compose import (
+    accumulation_steps,
+    check_world_size,
+    compose_config,
+    to_yaml,
+    validate_checkpoint,
+)
 from fsdpkit.config.schema import Config
 
-__all__ = ["Config", "accumulation_steps", "check_world_size", "compose_config", "to_yaml"]
+__all__ = ["Config", "accumulation_steps", "check_world_size", "compose_config", "to_yaml", "validate_checkpoint"]

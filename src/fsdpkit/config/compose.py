@@ -26,6 +26,7 @@ from fsdpkit.config.schema import (
     MIXED_PRECISION_PRESETS,
     SHARDING_STRATEGIES,
     STATE_DICT_TYPES,
+    CheckpointConfig,
     Config,
 )
 
@@ -157,24 +158,7 @@ def validate(cfg: Config) -> None:
     _positive("train.stop_at", t.stop_at, allow_zero=True)
     _positive("train.eval_samples", t.eval_samples, allow_zero=True)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
-    ck = cfg.checkpoint
-    _one_of("checkpoint.resume_mode", ck.resume_mode, ("full", "model_only"))
-    _one_of("checkpoint.existing", ck.existing, ("error", "archive"))
-    _positive("checkpoint.every_steps", ck.every_steps, allow_zero=True)
-    _positive("checkpoint.timeout_s", ck.timeout_s)
-    _positive("checkpoint.thread_count", ck.thread_count)
-    _positive("checkpoint.every_minutes", ck.every_minutes, allow_zero=True)
-    _positive("checkpoint.exception_timeout_s", ck.exception_timeout_s)
-    for key in ("keep_last", "keep_every", "keep_best"):
-        _positive(f"checkpoint.{key}", getattr(ck, key), allow_zero=True)
-    _one_of("checkpoint.keep_best_mode", ck.keep_best_mode, ("min", "max"))
-    for name in ck.preemption_signals:
-        if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
-            raise ValueError(f"config key 'checkpoint.preemption_signals' names an unknown signal {name!r}; "
-                             "use names such as SIGTERM or SIGUSR1")
-    if ck.async_save and s.state_dict_type != "sharded":
-        raise ValueError("checkpoint.async_save needs strategy.state_dict_type=sharded (a full state dict is "
-                         "gathered with collectives on the training ranks, which cannot run in the background)")
+    validate_checkpoint(cfg.checkpoint, state_dict_type=s.state_dict_type)
     _positive("diagnostics.memory_steps", cfg.diagnostics.memory_steps, allow_zero=True)
     if cfg.diagnostics.skew_warn_ratio < 1:
         raise ValueError(f"config key 'diagnostics.skew_warn_ratio' is {cfg.diagnostics.skew_warn_ratio}; it must be >= 1")
@@ -222,3 +206,23 @@ def check_world_size(cfg: Config, world_size: int, *, local_world_size: int | No
 
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded") -> None:
+    """The checkpoint settings on their own (the Checkpointer API checks them too); ValueError naming the key."""
+    _one_of("checkpoint.resume_mode", ck.resume_mode, ("full", "model_only"))
+    _one_of("checkpoint.existing", ck.existing, ("error", "archive"))
+    _positive("checkpoint.every_steps", ck.every_steps, allow_zero=True)
+    _positive("checkpoint.timeout_s", ck.timeout_s)
+    _positive("checkpoint.thread_count", ck.thread_count)
+    _positive("checkpoint.every_minutes", ck.every_minutes, allow_zero=True)
+    _positive("checkpoint.exception_timeout_s", ck.exception_timeout_s)
+    for key in ("keep_last", "keep_every", "keep_best"):
+        _positive(f"checkpoint.{key}", getattr(ck, key), allow_zero=True)
+    _one_of("checkpoint.keep_best_mode", ck.keep_best_mode, ("min", "max"))
+    for name in ck.preemption_signals:
+        if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
+            raise ValueError(f"config key 'checkpoint.preemption_signals' names an unknown signal {name!r}; "
+                             "use names such as SIGTERM or SIGUSR1")
+    if ck.async_save and state_dict_type != "sharded":
+        raise ValueError("checkpoint.async_save needs strategy.state_dict_type=sharded (a full state dict is "
+                         "gathered with collectives on the training ranks, which cannot run in the background)")

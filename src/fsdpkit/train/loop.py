@@ -29,7 +29,6 @@ from fsdpkit.diagnostics import (
 from fsdpkit.model import logits as model_logits
 from fsdpkit.train.metrics import MetricsLog, Progress, peak_memory_mib
 from fsdpkit.train.optim import clip_grad_norm
-from fsdpkit.train.preemption import PreemptionHandler
 from fsdpkit.train.state import TrainState
 
 # Test hook: "<step>:<rank>" (or "<step>:*" for every rank) raises in that step, before its
@@ -71,7 +70,6 @@ class Trainer:
     logger: logging.Logger
     diagnostics: Diagnostics = field(default_factory=Diagnostics.disabled)
     checkpointer: Checkpointer | None = None
-    preemption: PreemptionHandler | None = None
     stopped_by: str | None = None
     """Why fit stopped before max_steps or stop_at: a preemption signal's name."""
 
@@ -117,7 +115,7 @@ class Trainer:
         self._updating, self._cursor_before = False, None  # a step boundary again
         self.optimizer.zero_grad(set_to_none=True)
         # One all-reduce per step carries the loss and the flags every rank must agree on
-        # (preemption, checkpoint cadence by time, a failed background save).
+        # (preemption, checkpoint cadence by time, a failed background save: Checkpointer.local_flags).
         total, *self._agreed = dist.all_reduce_sum([float(loss_sum), *self._local_flags()], device=self.device)
         dt = time.perf_counter() - t0
         return {
@@ -133,8 +131,7 @@ class Trainer:
         }
 
     def _local_flags(self) -> list[float]:
-        preempted = self.preemption is not None and self.preemption.received is not None
-        return [float(preempted), *(self.checkpointer.local_flags() if self.checkpointer else [])]
+        return self.checkpointer.local_flags() if self.checkpointer is not None else []
 
     def boundary_step(self) -> int | None:
         """After a failure: the step whose state the live objects hold, or None when the failure hit
@@ -179,26 +176,24 @@ class Trainer:
         try:
             while self.state.step < end:
                 record = self.train_step()
-                preempted, *checkpoint_flags = self._agreed
                 self.diagnostics.after_step(last=self.state.step >= end)
                 last = self.state.step == self.max_steps  # not at stop_at: an interruption is not the end
                 if last or (self.eval_every and self.state.step % self.eval_every == 0):
                     val_loss = record["val_loss"] = self.evaluate()
                     self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)
                 self.metrics.step(record, quiet=progress.active)
-                if self.checkpointer is not None:
-                    self.checkpointer.after_step(self.state.step, last=last, metrics=record, agreed=checkpoint_flags,
-                                                 preempted=bool(preempted))
+                preempted = self.checkpointer is not None and self.checkpointer.step(
+                    self.state.step, metrics=record, last=last, agreed=self._agreed)
                 progress.update(self.state.step, f"loss {record['loss']:.4f}")
                 records.append(record)
                 if preempted:
-                    got = self.preemption.received if self.preemption is not None else None
+                    got = self.checkpointer.preemption.received
                     self.stopped_by = got.name if got is not None else "a preemption signal on another rank"
                     self.logger.warning("stopped at step %d after %s; the checkpoint is committed", self.state.step,
                                         self.stopped_by)
                     break
             if self.checkpointer is not None:
-                self.checkpointer.finish()
+                self.checkpointer.close()  # waits for the last save
         except Exception as e:
             # A set-up mistake found by the diagnostics is no state worth saving.
             if self.checkpointer is not None and not isinstance(e, FSDPContractError):

@@ -11,10 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from fsdpkit import __version__, dist
-from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, lock_directory
-from fsdpkit.checkpoint.manifest import read_manifest
-from fsdpkit.checkpoint.ownership import DirectoryLock
-from fsdpkit.checkpoint.state import CheckpointTarget
+from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, find_checkpoint
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets
 from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
@@ -26,7 +23,6 @@ from fsdpkit.train.determinism import enable_determinism, seed_everything
 from fsdpkit.train.loop import Trainer
 from fsdpkit.train.metrics import METRICS_FILE, MetricsLog
 from fsdpkit.train.optim import build_optimizer, build_scheduler
-from fsdpkit.train.preemption import PreemptionHandler
 from fsdpkit.train.preflight import check_directories
 from fsdpkit.train.state import TrainState
 
@@ -91,10 +87,10 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     return trainer, plan
 
 
-def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups,
-                        lock: DirectoryLock | None = None) -> Checkpointer:
-    """Give the trainer a Checkpointer over its model, optimizer and Stateful pieces."""
-    target = CheckpointTarget(model=trainer.model, optimizer=trainer.optimizer, stateful=trainer.stateful())
+def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *,
+                        groups: CheckpointGroups | None = None) -> Checkpointer:
+    """Give the trainer a Checkpointer (the public API) over its model, optimizer, scheduler and
+    Stateful pieces; `resume()` is the caller's next call."""
     sharding = {
         "wrap_policy": list(cfg.policy.auto_wrap_policy),
         "activation_checkpointing": list(cfg.policy.activation_checkpointing_policy),
@@ -102,13 +98,12 @@ def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, gr
         "reshard_after_forward": plan.reshard_after_forward,
         "compiled": bool(plan.compiled),
     }
-    run_meta = {
-        "mesh": {"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.mesh_dim_names or ())},
-        "config": OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-    }
-    trainer.checkpointer = Checkpointer(cfg.checkpoint, target=target, groups=groups, sharding=sharding,
-                                        run_meta=run_meta, state_dict_type=cfg.strategy.state_dict_type,
-                                        on_event=trainer.metrics.write, lock=lock)
+    trainer.checkpointer = Checkpointer.from_config(
+        cfg.checkpoint, model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
+        state={"train": trainer.state, "data": trainer.sampler}, sharding=sharding,
+        mesh={"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.mesh_dim_names or ())},
+        config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+        state_dict_type=cfg.strategy.state_dict_type, on_event=trainer.metrics.write, groups=groups)
     return trainer.checkpointer
 
 
@@ -119,7 +114,7 @@ def run(cfg: Config) -> dict[str, Any]:
         enable_determinism()
     dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type))
     setup_logging(cfg.log_level)
-    trainer, failed, lock = None, True, None
+    trainer, failed, found = None, True, None
     try:
         seed_everything(cfg.seed, rank=dist.rank())
         run_dir = Path(cfg.run_dir)
@@ -129,12 +124,10 @@ def run(cfg: Config) -> dict[str, Any]:
             log.info("resolved config (also in %s):\n%s", run_dir / CONFIG_FILE, to_yaml(cfg))
         log.info("fsdpkit %s, torch %s, world size %d, device %s", __version__, torch.__version__, dist.world_size(), device)
         groups = CheckpointGroups.create(cfg.checkpoint)
-        lock = lock_directory(cfg.checkpoint, group=groups.sync)
-        resume_path = Checkpointer.resolve(cfg.checkpoint, group=groups.sync)
-        trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=resume_path is None)
-        start_checkpointer(trainer, cfg, plan, groups=groups, resume_path=resume_path, lock=lock)
-        with PreemptionHandler(cfg.checkpoint.preemption_signals) as trainer.preemption:
-            summary = trainer.fit(stop_at=cfg.train.stop_at or None)
+        found = find_checkpoint(cfg.checkpoint, group=groups.sync)  # before the model: skip init if resuming
+        trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=found.path is None)
+        attach_checkpointer(trainer, cfg, plan, groups=groups).resume(found)
+        summary = trainer.fit(stop_at=cfg.train.stop_at or None)
         trainer.metrics.close()
         trainer = None  # drop model and optimizer before teardown (see dist.shutdown)
         if dist.is_main():
@@ -143,9 +136,11 @@ def run(cfg: Config) -> dict[str, Any]:
             log.info("run directory: %s (metrics: %s)", run_dir.resolve(), (run_dir / METRICS_FILE).resolve())
         failed = False
     finally:
+        if trainer is not None and trainer.checkpointer is not None:
+            trainer.checkpointer.close(wait=False)  # the lock and signal handlers (a no-op after fit)
+        elif found is not None and found.lock is not None:
+            found.lock.release()  # the kernel would at exit; a caller that runs again in-process needs it now
         trainer = None
-        if lock is not None:
-            lock.release()  # the kernel would at exit; a caller that runs again in-process needs it now
         main = dist.is_main()
         # After a failure another rank may be dead or stuck in a collective: no barrier then.
         dist.shutdown(barrier=not failed)
@@ -153,30 +148,6 @@ def run(cfg: Config) -> dict[str, Any]:
     if cfg.export.on_finish and finished and main:
         export_final(cfg)  # after the teardown: no rank waits on it
     return summary
-
-
-def start_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups,
-                       resume_path: Path | None, lock: DirectoryLock | None = None) -> dict[str, Any] | None:
-    """Attach a Checkpointer, claim the checkpoint directory for this run, then resume from
-    `resume_path` (if any); collective. Returns the resume report (None for a fresh start).
-
-    The claim comes first, so that a run refused the directory has loaded and logged nothing."""
-    checkpointer = attach_checkpointer(trainer, cfg, plan, groups=groups, lock=lock)
-    resumed = read_manifest(resume_path) if resume_path is not None else None
-    full = resumed is not None and cfg.checkpoint.resume_mode == "full"
-    moved = checkpointer.open(resumed=resumed if full else None, start=_how_started(cfg, resumed))
-    if resume_path is None:
-        return None
-    return checkpointer.resume_from(Path(moved.get(str(resume_path), resume_path)))
-
-
-def _how_started(cfg: Config, resumed: dict[str, Any] | None) -> str:
-    if resumed is None:
-        return ("a new run: checkpoint.resume=none" if cfg.checkpoint.resume == "none"
-                else f"a new run: checkpoint.resume={cfg.checkpoint.resume} found nothing to resume")
-    if cfg.checkpoint.resume_mode == "model_only":
-        return f"a new run: it loaded weights only from step {resumed['step']} (resume_mode=model_only)"
-    return f"resumed from step {resumed['step']}"
 
 
 def export_final(cfg: Config) -> dict[str, Any]:

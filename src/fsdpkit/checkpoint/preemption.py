@@ -1,6 +1,6 @@
 """Preemption: SLURM and Kubernetes send SIGTERM (SLURM's `--signal` often SIGUSR1) some time
 before killing a job. The first signal asks the loop to save at the next step boundary (agreed
-by every rank, see Trainer.train_step) and exit with EXIT_PREEMPTED; a second one ends the
+by every rank, see Checkpointer.step) and exit with EXIT_PREEMPTED; a second one ends the
 process at once (the default action is restored, so it works even while the main thread is
 blocked in a collective). An unfinished save then never becomes `latest`: nothing is lost but
 the steps since the previous checkpoint.
@@ -15,18 +15,20 @@ from types import FrameType
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL (sysexits.h): "try again later" — resume with the same command
 
-log = logging.getLogger("fsdpkit.train")
+log = logging.getLogger("fsdpkit.checkpoint")
 
 
 class PreemptionHandler:
-    """Installs the handlers on enter (main thread only) and restores the previous ones on exit."""
+    """Installs the handlers (main thread only) and restores the previous ones."""
 
     def __init__(self, signals: list[str]):
         self.signals = [signal.Signals[name if name.startswith("SIG") else f"SIG{name}"] for name in signals]
         self.received: signal.Signals | None = None
         self._previous: dict[signal.Signals, object] = {}
 
-    def __enter__(self) -> PreemptionHandler:
+    def install(self) -> PreemptionHandler:
+        if self._previous:
+            return self
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -34,7 +36,7 @@ class PreemptionHandler:
             log.warning("not on the main thread: preemption signals are not handled")
         return self
 
-    def __exit__(self, *exc) -> None:
+    def uninstall(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
