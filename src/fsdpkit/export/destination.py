@@ -51,20 +51,21 @@ def protected_paths(source: Path, *, run_dirs: Sequence[Path] = ()) -> list[tupl
 def check_no_overlap(out: Path, protected: list[tuple[str, Path, bool]]) -> None:
     """Raises ValueError when `out` is, contains or (unless allowed) lies inside a protected path."""
     target = out.resolve()
+    found = []
     for what, path, inside_allowed in protected:
         p = path.resolve()
         if target == p:
-            relation = "is"
+            found.insert(0, ("is", what, p, inside_allowed))  # the most telling relation first
         elif p in target.parents and not inside_allowed:
-            relation = "lies inside"
+            found.append(("lies inside", what, p, inside_allowed))
         elif target in p.parents:
-            relation = "contains"
-        else:
-            continue
+            found.append(("contains", what, p, inside_allowed))
+    if found:
+        relation, what, p, inside_allowed = found[0]
+        fix = (f"an output that neither is nor contains {p} (a new directory inside it, beside checkpoints/, is "
+               f"fine, e.g. {p / 'export'})" if inside_allowed else f"an output that neither is, contains nor lies inside {p}")
         raise ValueError(f"refusing to export to {out}: it {relation} {what} {p}; an export there could overwrite "
-                         f"or delete it. Choose an output that neither is, contains nor lies inside {p}"
-                         + (" (inside the run directory, beside checkpoints/, is fine: e.g. <run_dir>/export)"
-                            if inside_allowed else ""))
+                         f"or delete it. Choose {fix}")
 
 
 def not_an_export(out: Path) -> str | None:
