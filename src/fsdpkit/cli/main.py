@@ -113,12 +113,12 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
 
 def _preempted(cfg: Config, what: str, *, since: datetime, otherwise: int = 1) -> int:
     """EXIT_PREEMPTED when the ranks committed a preemption checkpoint after `since`, else `otherwise`."""
-    from fsdpkit.checkpoint.layout import LATEST
     from fsdpkit.checkpoint.manifest import read_manifest
+    from fsdpkit.export.locate import read_latest
 
     root = Path(cfg.checkpoint.dir)
     try:
-        manifest = read_manifest(root / (root / LATEST).read_text().strip())
+        manifest = read_manifest(read_latest(root))  # a junk `latest` is no preemption checkpoint
     except (OSError, CheckpointError):
         manifest = {}
     if manifest.get("reason") == "preempted" and datetime.fromisoformat(manifest["committed_at"]) >= since:
