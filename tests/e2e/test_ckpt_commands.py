@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -157,3 +158,91 @@ def test_user_errors_exit_2_with_a_reason(run_dir, tmp_path, capsys):
     assert code == 2 and "already exists; pass --overwrite" in err
     code, _, err = cli(capsys, "export", str(run_dir), str(tmp_path / "o2"), "--max-shard-size", "lots")
     assert code == 2 and "cannot read 'lots' as a size" in err
+
+
+@pytest.fixture
+def run_copy(run_dir, tmp_path) -> Path:
+    """A private copy of the trained run (config.yaml, metrics.jsonl, checkpoints/step_2, latest)."""
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+def _listing(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_export_never_overwrites_the_checkpoint_or_the_run(run_copy, tmp_path, capsys):
+    before = _listing(run_copy)
+    ckpts = run_copy / "checkpoints"
+    (tmp_path / "alias").symlink_to(run_copy)
+    cases = [(ckpts / "step_2", "is the source checkpoint"), (ckpts, "is its checkpoints root"),
+             (run_copy, "is the run directory"), (ckpts / "step_2" / "hf", "lies inside the source checkpoint"),
+             (ckpts / "hf", "lies inside its checkpoints root"), (tmp_path, "contains the source checkpoint"),
+             (tmp_path / "alias" / "checkpoints", "is its checkpoints root")]
+    for out, relation in cases:
+        for source in (run_copy, ckpts, ckpts / "step_2"):
+            code, _, err = cli(capsys, "export", str(source), str(out), "--overwrite")
+            assert code == 2 and f"refusing to export to {out}: it {relation}" in err, (source, out, err)
+    code, _, err = cli(capsys, "export", str(run_copy), str(run_copy / "metrics.jsonl"), "--format", "single", "--overwrite")
+    assert code == 2 and "refusing to replace" in err and "is not a safetensors file" in err
+    assert _listing(run_copy) == before and not list(tmp_path.glob(".*tmp-*"))
+
+    out = run_copy / "export"  # beside checkpoints/ (the default export.dir): allowed, and replaced only as an export
+    assert cli(capsys, "export", str(run_copy), str(out))[0] == 0
+    assert cli(capsys, "export", str(run_copy), str(out), "--overwrite", "--dtype", "bf16")[0] == 0
+    (out / "README.md").write_text("my notes")
+    code, _, err = cli(capsys, "export", str(run_copy), str(out), "--overwrite")
+    assert code == 2 and "it holds README.md, which an export does not write" in err
+    assert (out / "README.md").read_text() == "my notes"
+
+
+def test_export_on_finish_deletes_nothing_it_did_not_write(run_copy):
+    from fsdpkit.config import compose_config
+    from fsdpkit.train.run import export_final
+
+    before = _listing(run_copy)
+    for export_dir, relation in ((run_copy, "is the run directory"), (run_copy / "checkpoints", "is its checkpoints root")):
+        cfg = compose_config(["experiment=demo", f"run_dir={run_copy}", f"export.dir={export_dir}"])
+        with pytest.raises(ValueError, match=f"it {relation}"):
+            export_final(cfg)
+    mine = run_copy / "mine"
+    mine.mkdir()
+    (mine / "data.bin").write_bytes(b"x")
+    cfg = compose_config(["experiment=demo", f"run_dir={run_copy}", f"export.dir={mine}"])
+    with pytest.raises(ValueError, match="refusing to replace .*it holds data.bin"):
+        export_final(cfg)
+    assert _listing(run_copy) == {**before, "mine/data.bin": 1}
+    cfg = compose_config(["experiment=demo", f"run_dir={run_copy}"])  # the default export.dir: <run_dir>/export
+    export_final(cfg)
+    export_final(cfg)  # replaces its own earlier export
+    assert sorted(p.name for p in (run_copy / "export").iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+
+
+def test_verify_names_an_uncommitted_checkpoint_and_a_junk_latest(run_copy, capsys):
+    ckpts = run_copy / "checkpoints"
+    shutil.copytree(ckpts / "step_2", ckpts / "step_4")
+    (ckpts / "step_4" / "manifest.json").unlink()  # DCP files complete, never committed
+    code, out, _ = cli(capsys, "verify", str(ckpts / "step_4"))
+    assert code == 1 and f"BAD: NOT COMMITTED: {ckpts / 'step_4'} has no manifest.json" in out and "OK" not in out
+    code, _, err = cli(capsys, "export", str(ckpts / "step_4"), str(run_copy / "out"))
+    assert code == 2 and "NOT COMMITTED" in err
+    for junk, what in ((b"\xff\xd8\xff\xe0binary", "is not text"), (b"", "is empty"), (b"step_99\n", "names step_99, which does not exist")):
+        (ckpts / "latest").write_bytes(junk)
+        code, out, _ = cli(capsys, "verify", str(run_copy))
+        assert code == 1 and f"BAD: {ckpts / 'latest'} {what}" in out and "FAILED: 1 problem(s) in latest" in out
+        code, _, err = cli(capsys, "inspect", str(ckpts))
+        assert code == 2 and f"{ckpts / 'latest'} {what}" in err
+
+
+@pytest.mark.parametrize("args", [["ckpt", "inspect", "RUN", "--all"], ["config", "docs"]])
+def test_a_closed_stdout_pipe_ends_quietly(run_dir, args):
+    """`fsdpkit ... | head -1`: the reader is gone before the output is written; no traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fsdpkit", *[str(run_dir) if a == "RUN" else a for a in args]],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr[-2000:]  # 128 + SIGPIPE, as a shell reports `head`'s writer
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr and "Exception ignored" not in proc.stderr

@@ -87,6 +87,11 @@ def test_preemption_saves_commits_exits_75_and_resume_is_bit_identical(tmp_path)
 
     resumed = fsdpkit("train", *ARGS, f"run_dir={run}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    # Each restart resumed from the preemption checkpoint before it (equal losses alone would not
+    # show it: a deterministic fresh start reproduces them too).
+    resumes = [e for e in read_records(run, events=True) if e["event"] == "resume"]
+    assert [(e["step"], e["saved_world_size"], e["mode"], Path(e["path"]).name) for e in resumes] == [
+        (first["step"], 2, "full", f"step_{first['step']}"), (second["step"], 2, "full", f"step_{second['step']}")]
     want = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_records(full)}
     got = {r["step"]: (r["loss"], r["grad_norm"]) for r in read_records(run)}  # a later record wins
     assert sorted(got) == list(range(1, 61)) and got == want

@@ -4,6 +4,7 @@ when a piece of state is lost on resume."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,22 +13,51 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, fsdpkit  # noqa: E402
+from fsdpkit.train.metrics import read_records  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 ARGS = ["--steps", "8", "--save-at", "4", "experiment=demo", "train.global_batch_size=12", "train.micro_batch_size=2"]
 
 
+def assert_resumed(work: Path, *, step: int, saved_world_size: int) -> None:
+    """The resumed run's own records say it loaded step `step`, saved on `saved_world_size` ranks."""
+    resumes = [e for e in read_records(work / "resumed", events=True) if e["event"] == "resume"]
+    assert len(resumes) == 1, resumes
+    assert (resumes[0]["step"], resumes[0]["saved_world_size"], resumes[0]["mode"]) == (step, saved_world_size, "full")
+    assert Path(resumes[0]["path"]).resolve() == (work / "resumed" / "checkpoints" / f"step_{step}").resolve()
+
+
 def test_passes_at_same_world_size_bitwise(tmp_path):
     proc = fsdpkit("resume-check", *ARGS, "--work-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "the resumed run loaded the full state of step 4 (saved on 2 rank(s))" in proc.stdout
     assert "PASS: worst relative difference 0.000e+00, tolerance 0e+00" in proc.stdout
     assert proc.stdout.count("0.00e+00") >= 8  # 4 steps x (loss, grad norm)
+    assert_resumed(tmp_path, step=4, saved_world_size=2)
 
 
 def test_passes_at_another_world_size(tmp_path):
     proc = fsdpkit("resume-check", "--resume-nproc", "3", *ARGS, "--work-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "resumed on 3 rank(s)" in proc.stdout and "tolerance 1e-06" in proc.stdout
+    assert "the resumed run loaded the full state of step 4 (saved on 2 rank(s))" in proc.stdout
+    assert_resumed(tmp_path, step=4, saved_world_size=2)
+
+
+def test_fails_when_the_checkpoints_are_gone_before_the_resume(tmp_path, capsys):
+    """A deterministic fresh start reproduces every loss: only the records can tell it did not resume."""
+    from fsdpkit.cli.resume_check import resume_check
+
+    def delete_checkpoints(run: Path) -> None:
+        shutil.rmtree(run / "checkpoints")
+
+    code = resume_check(overrides=ARGS[4:], nproc=2, resume_nproc=2, steps=8, save_at=4, work_dir=tmp_path,
+                        before_resume=delete_checkpoints)
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "worst relative difference 0.000e+00" in out  # the losses alone would have passed
+    assert "FAIL: no proof of a resume from step 4" in out and "recorded no `resume` event: it started fresh" in out
+    assert "resume-check: PASS" not in out
 
 
 @pytest.mark.parametrize("dropped", ["scheduler", "data"])
@@ -37,3 +67,4 @@ def test_fails_when_state_is_left_out(tmp_path, dropped):
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
     assert "<-- beyond tolerance" in proc.stdout and "FAIL" in proc.stdout
+    assert_resumed(tmp_path, step=4, saved_world_size=2)  # it did resume: the lost state is what fails it

@@ -17,7 +17,9 @@ EXPORT_HELP = """\
 Write a checkpoint's model weights as safetensors, streaming: tensors are read from the shards a
 block at a time and written out, so memory stays bounded whatever the model size. Optimizer,
 RNG and other state are ignored. The output appears atomically (written under a temporary name,
-then renamed).
+then renamed). OUT may not be, contain or lie inside the checkpoint or its checkpoints root, nor be
+or contain the run directory (a new directory inside the run, such as RUN/export, is fine). Every
+DCP file is first checked to hold every byte range its metadata lists.
 
 --format hf (default): OUT is a directory with model.safetensors, or model-0000X-of-0000N
 .safetensors shards and model.safetensors.index.json when the weights exceed --max-shard-size,
@@ -63,7 +65,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--reader", choices=["direct", "dcp"], default="direct",
                    help="direct: read chunk byte ranges (default); dcp: through dcp.load one tensor at a time "
                         "(needed only for DCP storage extensions such as compression)")
-    e.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (once the new export is complete)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace OUT if it is an earlier fsdpkit export (safetensors files marked exported_by=fsdpkit, "
+                        "plus the index and config files an export writes, nothing else), once the new export is "
+                        "complete; anything else at OUT is never deleted: the export is refused")
     e.add_argument("--no-config", action="store_true", help="do not write config.json/generation_config.json")
     e.add_argument("--verify", action="store_true",
                    help="recompute every file checksum of an fsdpkit checkpoint first (default: check presence and sizes)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import traceback
 from datetime import UTC, datetime
@@ -46,14 +47,18 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="Hydra overrides")
     r = sub.add_parser("resume-check", help="prove that resuming your config is seamless",
                        description="Run the config uninterrupted, then saved at --save-at, interrupted and resumed "
-                                   "(optionally on --resume-nproc ranks); print per-step loss and grad-norm differences. "
-                                   "Exit 1 if any exceeds the tolerance (0 at the same world size with "
-                                   "deterministic=true; else 1e-6 relative in fp32, 5e-4 in bf16).")
+                                   "(optionally on --resume-nproc ranks); check from the resumed run's own records "
+                                   "(the resume event in metrics.jsonl) that it loaded the full state of step --save-at "
+                                   "saved on --nproc ranks; print per-step loss and grad-norm differences. Exit 1 if "
+                                   "no such resume is recorded or any difference exceeds the tolerance (0 at the same "
+                                   "world size with deterministic=true; else 1e-6 relative when policy.mixed_precision "
+                                   "keeps every dtype fp32, 5e-4 otherwise, custom _target_ policies included).")
     r.add_argument("--nproc", type=int, default=2, help="ranks of the uninterrupted and first run (default 2)")
     r.add_argument("--resume-nproc", type=int, default=None, help="ranks of the resumed run (default: --nproc)")
     r.add_argument("--steps", type=int, default=12, help="steps K of each run (default 12)")
     r.add_argument("--save-at", type=int, default=6, help="step S of the save and interruption (default 6)")
-    r.add_argument("--work-dir", default=None, help="where the three runs go (default: a new temporary directory)")
+    r.add_argument("--work-dir", default=None,
+                   help="where the three runs go; must not hold an earlier check's runs (default: a new temporary directory)")
     r.add_argument("--config-dir", action="append", default=[], metavar="DIR")
     r.add_argument("overrides", nargs="*", help="Hydra overrides of your config")
     c = sub.add_parser("config", help="show the resolved config or document every option")
@@ -111,12 +116,12 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
 
 def _preempted(cfg: Config, what: str, *, since: datetime, otherwise: int = 1) -> int:
     """EXIT_PREEMPTED when the ranks committed a preemption checkpoint after `since`, else `otherwise`."""
-    from fsdpkit.checkpoint.layout import LATEST
     from fsdpkit.checkpoint.manifest import read_manifest
+    from fsdpkit.export.locate import read_latest
 
     root = Path(cfg.checkpoint.dir)
     try:
-        manifest = read_manifest(root / (root / LATEST).read_text().strip())
+        manifest = read_manifest(read_latest(root))  # a junk `latest` is no preemption checkpoint
     except (OSError, CheckpointError):
         manifest = {}
     if manifest.get("reason") == "preempted" and datetime.fromisoformat(manifest["committed_at"]) >= since:
@@ -150,7 +155,28 @@ def _resume_check(args: argparse.Namespace) -> int:
                         steps=args.steps, save_at=args.save_at, work_dir=args.work_dir, config_dirs=args.config_dir)
 
 
+def _stdout_closed() -> int:
+    """The reader of stdout went away (`fsdpkit ckpt inspect ... | head -1`): stop quietly, as Unix
+    tools do, with the status of a process ended by SIGPIPE. stdout is pointed at /dev/null so that
+    the interpreter's final flush cannot raise (and print a traceback) again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The `fsdpkit` command; returns the exit code."""
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe shows here, where it is handled, not at interpreter exit
+    except BrokenPipeError:  # from any subcommand's output, or from --help
+        return _stdout_closed()
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
     try:
@@ -170,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     if under_launcher:
         # A launched rank exits hard once its process group is torn down: gloo can abort in
         # static destructors at interpreter exit otherwise.
-        sys.stdout.flush()
+        try:
+            sys.stdout.flush()
+        except BrokenPipeError:
+            code = code or _stdout_closed()
         sys.stderr.flush()
         os._exit(code)
     return code

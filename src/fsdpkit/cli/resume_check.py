@@ -1,9 +1,12 @@
 """`fsdpkit resume-check`: the user's proof, on their own config, that resuming is seamless.
 
 Runs the config uninterrupted for K steps; runs it again, saving at step S and stopping there as
-an interruption would; resumes it (optionally at another world size) to step K; then prints a
-per-step table of loss and grad-norm differences and fails if any exceeds the tolerance: 0 at the
-same world size in deterministic mode, else 1e-6 relative in fp32 and 5e-4 in bf16.
+an interruption would; resumes it (optionally at another world size) to step K; then checks two
+things. (1) The third run really resumed: its own records (the `resume` event in metrics.jsonl)
+say it loaded the full state of step S of the second run, saved on the first run's world size. Equal
+losses alone prove nothing: a deterministic fresh start gives the same numbers. (2) A per-step
+table of loss and grad-norm differences stays within the tolerance: 0 at the same world size in
+deterministic mode, else 1e-6 relative when the mixed-precision policy is all fp32 and 5e-4 otherwise.
 """
 
 from __future__ import annotations
@@ -11,13 +14,21 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from fsdpkit.checkpoint.layout import step_dir_name
 from fsdpkit.config import compose_config
+from fsdpkit.parallel.policies import mixed_precision_policy
 from fsdpkit.train.metrics import read_records
 
-ELASTIC_RTOL = {"fp32": 1e-6}
+ELASTIC_RTOL_FP32 = 1e-6
 ELASTIC_RTOL_LOW_PRECISION = 5e-4
+RESUME_EVENT = "resume"  # what Checkpointer.resume_from writes to metrics.jsonl
 
 
 def _train(nproc: int, overrides: list[str], run_dir: Path, config_dirs: list[str]) -> None:
@@ -32,39 +43,108 @@ def _by_step(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_records(run_dir)}
 
 
+def is_fp32(policy: MixedPrecisionPolicy) -> bool:
+    """True when parameters, gradient reduction and outputs all stay fp32 (None means "as the
+    parameter", which fsdpkit keeps in fp32)."""
+    return all(d in (None, torch.float32) for d in (policy.param_dtype, policy.reduce_dtype, policy.output_dtype))
+
+
 def tolerance(overrides: list[str], *, same_world_size: bool, config_dirs: list[str]) -> float:
+    """The relative tolerance of the comparison.
+
+    A preset name or a `_target_` mapping is turned into the MixedPrecisionPolicy that training
+    will use (a custom factory runs here as it does in training); only a policy that keeps every
+    dtype fp32 gets the fp32 tolerance, anything else the low-precision one.
+    """
     cfg = compose_config(overrides, config_dirs=config_dirs)
     if same_world_size and cfg.deterministic:
         return 0.0
-    return ELASTIC_RTOL.get(cfg.policy.mixed_precision, ELASTIC_RTOL_LOW_PRECISION)
+    return ELASTIC_RTOL_FP32 if is_fp32(mixed_precision_policy(cfg.policy.mixed_precision)) else ELASTIC_RTOL_LOW_PRECISION
+
+
+def resume_problems(events: list[dict[str, Any]], *, step: int, saved_world_size: int, ckpt_root: Path) -> list[str]:
+    """Why the records `events` (metrics.jsonl events of the interrupted-then-resumed run) do not
+    show one full resume from `ckpt_root/step_<step>` saved on `saved_world_size` ranks (empty:
+    they do)."""
+    resumes = [e for e in events if e.get("event") == RESUME_EVENT]
+    if not resumes:
+        return [f"the resumed run recorded no `{RESUME_EVENT}` event: it started fresh instead of loading the checkpoint "
+                f"of step {step} (were the checkpoints under {ckpt_root} deleted, or is checkpoint.resume overridden?)"]
+    if len(resumes) > 1:
+        return [f"the resumed run directory records {len(resumes)} resumes (steps {[e.get('step') for e in resumes]}); "
+                "expected exactly one: use a new --work-dir"]
+    event, problems = resumes[0], []
+    if event.get("step") != step:
+        problems.append(f"the run resumed from step {event.get('step')}, expected step {step}")
+    if event.get("saved_world_size") != saved_world_size:
+        problems.append(f"the checkpoint it resumed from was saved on {event.get('saved_world_size')} rank(s), "
+                        f"expected {saved_world_size}")
+    expected = (ckpt_root / step_dir_name(step)).resolve()
+    if Path(str(event.get("path"))).resolve() != expected:
+        problems.append(f"the run resumed from {event.get('path')}, expected {expected}")
+    if event.get("mode") != "full":
+        problems.append(f"the run restored {event.get('mode')!r} state (checkpoint.resume_mode), not the full state")
+    return problems
 
 
 def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int, steps: int, save_at: int,
-                 work_dir: Path | None = None, config_dirs: list[str] = ()) -> int:
-    """Returns the exit code: 0 when every step after the resume is within tolerance."""
+                 work_dir: Path | None = None, config_dirs: list[str] = (),
+                 before_resume: Callable[[Path], None] | None = None) -> int:
+    """Returns the exit code: 0 when the third run resumed from step `save_at` and every step
+    after it is within tolerance, else 1.
+
+    Args:
+        before_resume: called with the interrupted run's directory just before it is resumed.
+            Tests use it to delete the checkpoints there and see the check fail.
+    Raises:
+        ValueError: bad step numbers, or `work_dir` already holds runs of an earlier check.
+    """
     if not 0 < save_at < steps:
         raise ValueError(f"--save-at must lie between 0 and --steps ({steps}), got {save_at}")
     rtol = tolerance(overrides, same_world_size=nproc == resume_nproc, config_dirs=list(config_dirs))
     work = Path(work_dir or tempfile.mkdtemp(prefix="fsdpkit-resume-check-"))
+    full, resumed = work / "uninterrupted", work / "resumed"
+    for run in (full, resumed):
+        if run.exists():  # its metrics.jsonl and checkpoints would mix with this check's
+            raise ValueError(f"--work-dir {work} already holds {run.name}/ from an earlier check; give a new --work-dir")
     common = [*overrides, f"train.max_steps={steps}", "train.eval_every=0", "train.progress=false",
               "checkpoint.save_at_end=false"]
-    full, resumed = work / "uninterrupted", work / "resumed"
+    ckpt_root = Path(compose_config([*common, f"run_dir={resumed}"], config_dirs=list(config_dirs)).checkpoint.dir)
     print(f"resume-check: {steps} steps on {nproc} rank(s) uninterrupted, then saved at step {save_at}, "
           f"interrupted, resumed on {resume_nproc} rank(s); work dir {work}", flush=True)
     _train(nproc, [*common, "checkpoint.resume=none", "checkpoint.every_steps=0"], full, list(config_dirs))
     _train(nproc, [*common, "checkpoint.resume=none", f"checkpoint.every_steps={save_at}", f"train.stop_at={save_at}"],
            resumed, list(config_dirs))
+    if before_resume is not None:
+        before_resume(resumed)
     _train(resume_nproc, [*common, "checkpoint.resume=auto", "checkpoint.every_steps=0"], resumed, list(config_dirs))
+    problems = resume_problems(read_records(resumed, events=True), step=save_at, saved_world_size=nproc,
+                               ckpt_root=ckpt_root)
+    if not problems:
+        print(f"resume-check: the resumed run loaded the full state of step {save_at} (saved on {nproc} rank(s)) "
+              f"from {ckpt_root / step_dir_name(save_at)}")
     a, b = _by_step(full), _by_step(resumed)
+    missing = [s for s in range(save_at + 1, steps + 1) if s not in a or s not in b]
+    if missing:
+        problems.append(f"steps {missing} have no metrics record in {full} or {resumed}")
+    worst = _print_table(a, b, range(save_at + 1, steps + 1), rtol=rtol) if not missing else float("inf")
+    ok = not problems and worst <= rtol
+    if problems:
+        print("resume-check: FAIL: no proof of a resume from step "
+              f"{save_at}:\n" + "\n".join(f"  {p}" for p in problems))
+    print(f"resume-check: {'PASS' if ok else 'FAIL'}: worst relative difference {worst:.3e}, tolerance {rtol:.0e}"
+          + ("" if worst <= rtol else " (state was lost or mismapped on resume: scheduler, data cursor, optimizer or RNG)"))
+    return 0 if ok else 1
+
+
+def _print_table(a: dict[int, dict], b: dict[int, dict], steps: range, *, rtol: float) -> float:
+    """Prints the per-step comparison; returns the worst relative difference."""
     worst = 0.0
     print(f"{'step':>5} {'loss (uninterrupted)':>22} {'loss (resumed)':>22} {'rel diff':>10} {'grad_norm rel diff':>19}")
-    for step in range(save_at + 1, steps + 1):
+    for step in steps:
         dl = abs(b[step]["loss"] - a[step]["loss"]) / abs(a[step]["loss"])
         dg = abs(b[step]["grad_norm"] - a[step]["grad_norm"]) / max(abs(a[step]["grad_norm"]), 1e-30)
         worst = max(worst, dl, dg)
         flag = "" if max(dl, dg) <= rtol else "  <-- beyond tolerance"
         print(f"{step:>5} {a[step]['loss']:>22.12f} {b[step]['loss']:>22.12f} {dl:>10.2e} {dg:>19.2e}{flag}")
-    ok = worst <= rtol
-    print(f"resume-check: {'PASS' if ok else 'FAIL'}: worst relative difference {worst:.3e}, tolerance {rtol:.0e}"
-          + ("" if ok else " (state was lost or mismapped on resume: scheduler, data cursor, optimizer or RNG)"))
-    return 0 if ok else 1
+    return worst

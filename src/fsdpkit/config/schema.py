@@ -271,7 +271,8 @@ class ExportConfig:
     """When training reaches train.max_steps, export the final checkpoint's model weights (rank
     0, streaming, after the process group is torn down). Needs checkpoint.save_at_end."""
     dir: str = "${run_dir}/export"
-    """Where the export goes (replaced if it exists)."""
+    """Where the export goes. An earlier fsdpkit export there is replaced; anything else (or a
+    path that is, contains or lies in the checkpoints, or is the run directory) is refused."""
     dtype: str = "bf16"
     """`bf16`, `fp16` or `fp32`: the dtype of the exported floating tensors (training keeps fp32)."""
     format: str = "hf"

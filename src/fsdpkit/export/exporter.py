@@ -27,6 +27,13 @@ from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatch
 from fsdpkit.checkpoint.layout import fsync_dir
 from fsdpkit.checkpoint.manifest import check_files_present, dtype_name
 from fsdpkit.checkpoint.resume import verify_files
+from fsdpkit.export.destination import (
+    EXPORTED_BY,
+    check_no_overlap,
+    check_replaceable,
+    exported_by_value,
+    protected_paths,
+)
 from fsdpkit.export.hf_config import hf_configs, is_tied
 from fsdpkit.export.keys import model_weights
 from fsdpkit.export.safetensors_io import (
@@ -44,6 +51,7 @@ from fsdpkit.export.tunables import (
     VERIFY_THREADS,
     parse_size,
 )
+from fsdpkit.export.verification import extent_problems
 
 FORMATS = ("hf", "single")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -75,6 +83,7 @@ def export_checkpoint(
     write_config: bool = True,
     verify: bool = False,
     block_bytes: int = BLOCK_BYTES,
+    run_dirs: Sequence[str | os.PathLike] = (),
 ) -> dict[str, Any]:
     """Write the model weights of `ckpt` to `out` as safetensors; one process, no process group.
 
@@ -90,15 +99,21 @@ def export_checkpoint(
         namespace, strip_prefixes, add_prefix: which tensors are the model's and how to rename
             them (see fsdpkit.export.keys); wrapper components are always removed.
         reader: `direct` (byte ranges) or `dcp` (through dcp.load) for DCP checkpoints.
-        overwrite: replace an existing `out` (only once the new export is complete).
+        overwrite: replace an existing `out`, only once the new export is complete, and only when
+            it is an earlier fsdpkit export (see fsdpkit.export.destination); anything else there
+            is never deleted.
         write_config: write config.json/generation_config.json (hf format, when the run config is known).
         verify: first recompute every file checksum of an fsdpkit checkpoint (one more read of
-            it); without it, files are only checked to be present with their recorded sizes.
+            it); without it, every file is only checked to be present and long enough: with its
+            recorded size (fsdpkit) or holding every byte range the DCP metadata lists (any DCP).
+        run_dirs: run directories `out` must not be or contain, besides the one found above the
+            checkpoint (training passes its own).
     Returns:
         A report: files written, tensors, dtypes and why they differ from the checkpoint, what
         was dropped (a tied lm_head), config notes, timing.
     Raises:
-        ValueError: bad options, or `out` exists without `overwrite`.
+        ValueError: bad options; `out` overlaps the checkpoint, its checkpoints root or the run
+            directory; or `out` exists and is not an earlier export that `overwrite` may replace.
         FileNotFoundError: no checkpoint at `ckpt`.
         CheckpointError: an uncommitted, incomplete, corrupt or unsafe checkpoint.
     """
@@ -107,9 +122,10 @@ def export_checkpoint(
     target = parse_dtype(dtype)
     shard_limit = parse_size(max_shard_size)
     out = Path(out)
-    _check_destination(out, fmt=fmt, overwrite=overwrite)
     t0 = time.perf_counter()
     with open_checkpoint(ckpt, reader=reader) as opened:
+        _check_destination(out, fmt=fmt, overwrite=overwrite,
+                           protected=protected_paths(opened.path, run_dirs=[Path(d) for d in run_dirs]))
         _check_integrity(opened, verify=verify)
         tensors = opened.source.tensors()
         names = model_weights(list(tensors), key_paths=opened.source.key_paths, namespace=namespace,
@@ -163,14 +179,19 @@ def export_checkpoint(
 
 
 def _check_integrity(opened: OpenedCheckpoint, *, verify: bool) -> None:
-    """fsdpkit checkpoints: every file present with its recorded size (and checksum, if `verify`)."""
-    if opened.manifest is None:
-        return
-    problems = check_files_present(opened.path, opened.manifest)
-    if verify and not problems:
-        problems = verify_files(opened.path, opened.manifest, threads=VERIFY_THREADS)
+    """fsdpkit checkpoints: every file present with its recorded size (and checksum, if `verify`).
+    Any DCP checkpoint (plain ones carry no sizes or checksums): every file holds every byte
+    range its metadata lists, optimizer state included, though only the model is read."""
+    problems = []
+    if opened.manifest is not None:
+        problems = check_files_present(opened.path, opened.manifest)
+        if verify and not problems:
+            problems = verify_files(opened.path, opened.manifest, threads=VERIFY_THREADS)
+    if not problems and opened.kind in ("fsdpkit", "dcp"):  # DcpSource and DcpLoadSource
+        problems = extent_problems(opened.path, opened.source.metadata)
     if problems:
-        raise CheckpointCorruptError(f"{opened.path} failed verification; nothing was exported:\n  " + "\n  ".join(problems))
+        raise CheckpointCorruptError(f"{opened.path} failed verification; nothing was exported:\n  " + "\n  ".join(problems)
+                                     + f"\n(`fsdpkit ckpt verify {opened.path}` checks it in full)")
 
 
 def _plan_files(sizes: list[tuple[str, int]], *, out: Path, fmt: str, total: int,
@@ -184,14 +205,13 @@ def _plan_files(sizes: list[tuple[str, int]], *, out: Path, fmt: str, total: int
     return groups, [shard_file_name(i + 1, len(groups)) for i in range(len(groups))]
 
 
-def _check_destination(out: Path, *, fmt: str, overwrite: bool) -> None:
+def _check_destination(out: Path, *, fmt: str, overwrite: bool, protected: list[tuple[str, Path, bool]]) -> None:
     if fmt == "single" and out.is_dir():
         raise ValueError(f"{out} is a directory; --format single writes one file: give a file path such as {out / SINGLE_FILE}")
     if fmt == "hf" and out.is_file():
         raise ValueError(f"{out} is a file; --format hf writes a directory")
-    exists = out.is_file() or (out.is_dir() and any(out.iterdir()))
-    if exists and not overwrite:
-        raise ValueError(f"{out} already exists; pass --overwrite to replace it (the old export is kept until the new one is complete)")
+    check_no_overlap(out, protected)
+    check_replaceable(out, overwrite=overwrite)
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
@@ -298,7 +318,7 @@ def _write_files(opened: OpenedCheckpoint, names: dict[str, str], out_dtypes: di
         for group, file in zip(groups, files, strict=True):
             path = tmp_file if tmp_file is not None else tmp_dir / file
             layout = [(name, tensors[names[name]].shape, out_dtypes[name]) for name in group]
-            writer = StreamingSafetensorsWriter(path, layout, metadata={"format": "pt", "exported_by": f"fsdpkit {__version__}"})
+            writer = StreamingSafetensorsWriter(path, layout, metadata={"format": "pt", EXPORTED_BY: exported_by_value(__version__)})
             try:
                 for name in group:
                     writer.write_tensor(name, (next(stream) for _ in blocks[name]))
@@ -336,11 +356,10 @@ def _write_hf_configs(folder: Path, opened: OpenedCheckpoint, *, target: torch.d
 
 
 def _publish(tmp: Path, out: Path, *, overwrite: bool) -> None:
-    """Move the finished export into place; an old one is removed only afterwards."""
+    """Move the finished export into place; an old export is removed only afterwards (checked
+    again: something may have appeared there while exporting)."""
     old = None
-    if out.exists() and (out.is_file() or any(out.iterdir())):
-        if not overwrite:
-            raise ValueError(f"{out} appeared while exporting; pass --overwrite to replace it")
+    if check_replaceable(out, overwrite=overwrite):
         old = out.with_name(f".{out.name}.old-{os.getpid()}")
         os.replace(out, old)
     elif out.is_dir():

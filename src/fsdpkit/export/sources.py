@@ -23,13 +23,18 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
-from fsdpkit.checkpoint.layout import LATEST, MANIFEST, ON_EXCEPTION, STEP_DIR
+from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.safe_io import (
     METADATA_FILENAME,
     SafeFileSystemReader,
     SafeLoadPlanner,
     read_dcp_metadata,
+)
+from fsdpkit.export.locate import (
+    is_uncommitted_fsdpkit_dir,
+    not_committed_message,
+    resolve_checkpoint_dir,
 )
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
 from fsdpkit.export.torch_save import FileWindow, TensorPayload, locate_tensor
@@ -330,10 +335,21 @@ class DcpLoadSource:
             except CheckpointError:
                 raise
             except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
-                raise CheckpointCorruptError(f"{self.path}: dcp.load of {key} failed: {str(exc).splitlines()[0]}") from exc
+                raise CheckpointCorruptError(self._load_failure(key, exc)) from exc
             self._whole = (key, state[key])
         whole = self._whole[1]
         return _into(whole if not whole.dim() else whole[start:stop], out)
+
+    def _load_failure(self, key: str, exc: BaseException) -> str:
+        """What failed, in which files: DCP's own message names only the ranks (`ranks:dict_keys([0])`)."""
+        causes = [pair[0] for pair in exc.failures.values()] if isinstance(exc, CheckpointException) else [exc]
+        why = "; ".join(f"{type(c).__name__}: {str(c).splitlines()[0] if str(c) else ''}" for c in causes)
+        try:
+            files = sorted({str(self.path / c.storage.relative_path) for c in self._inner.chunks(key)})
+        except CheckpointError as missing:
+            return f"{self.path}: dcp.load of {key} failed ({why}): {missing}"
+        return (f"dcp.load of {key} from {', '.join(files)} failed: {why}; run `fsdpkit ckpt verify {self.path}` "
+                "to check every file")
 
     def close(self) -> None:
         self._whole = None
@@ -401,38 +417,6 @@ class OpenedCheckpoint:
         self.close()
 
 
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """The checkpoint `path` names: itself, or what a `latest` pointer under it names.
-
-    Accepts a checkpoint directory, a checkpoints root (with `latest`), a run directory (with
-    `checkpoints/latest`) or a `.safetensors` file.
-
-    Raises:
-        FileNotFoundError: nothing checkpoint-like there; says what was expected.
-    """
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{p} does not exist")
-    if p.is_file():
-        return p
-    if (p / MANIFEST).is_file() or (p / METADATA_FILENAME).is_file() or any(p.glob("*.safetensors")):
-        return p
-    for root in (p, p / "checkpoints"):
-        if (root / LATEST).is_file():
-            target = root / (root / LATEST).read_text().strip()
-            if not target.is_dir():
-                raise FileNotFoundError(f"{root / LATEST} names {target.name}, which does not exist")
-            return target
-    raise FileNotFoundError(
-        f"{p} is not a checkpoint: expected a directory with manifest.json or .metadata (DCP), a checkpoints "
-        "directory or run directory with a `latest` pointer, a Hugging Face folder or a .safetensors file"
-    )
-
-
-def _uncommitted_fsdpkit_dir(p: Path) -> bool:
-    return (p.parent / LATEST).is_file() and bool(STEP_DIR.match(p.name) or p.name == ON_EXCEPTION)
-
-
 def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct") -> OpenedCheckpoint:
     """Open any supported checkpoint for reading (nothing is unpickled except through the
     allow-lists of fsdpkit.checkpoint.safe_io and torch_save).
@@ -441,12 +425,14 @@ def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct") -> Opene
         reader: for DCP checkpoints, `direct` (byte ranges, the default) or `dcp` (`dcp.load`).
     Raises:
         FileNotFoundError: no checkpoint at `path`.
-        CheckpointError: an fsdpkit checkpoint that was never committed, or unreadable metadata
-            (UnsafeCheckpointError for a crafted one).
+        CheckpointError: an fsdpkit checkpoint that was never committed, a `latest` pointer that
+            cannot be followed, or unreadable metadata (UnsafeCheckpointError for a crafted one).
     """
     if reader not in ("direct", "dcp"):
         raise ValueError(f"reader must be `direct` or `dcp`, got {reader!r}")
     p = resolve_checkpoint_dir(path)
+    if is_uncommitted_fsdpkit_dir(p):
+        raise CheckpointError(not_committed_message(p))
     if p.is_file():
         return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p, files=[p]))
     if (p / MANIFEST).is_file():
@@ -455,9 +441,6 @@ def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct") -> Opene
             return OpenedCheckpoint(p, "fsdpkit-full", SafetensorsSource(p, files=[p / FULL_MODEL_FILE]), manifest)
         return OpenedCheckpoint(p, "fsdpkit", _dcp_source(p, reader), manifest)
     if (p / METADATA_FILENAME).is_file():
-        if _uncommitted_fsdpkit_dir(p):
-            raise CheckpointError(f"{p} has no {MANIFEST}: it is an fsdpkit checkpoint that was never committed "
-                                  "(a save was interrupted); use an earlier step")
         return OpenedCheckpoint(p, "dcp", _dcp_source(p, reader))
     return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p))
 

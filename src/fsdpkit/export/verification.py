@@ -9,6 +9,10 @@
    beyond the allow-lists). Safetensors files: headers parse and sizes add up.
 3. Optionally (`tensors=True`), every tensor's world-size-independent checksum recomputed from
    the data and compared with the manifest's.
+
+It speaks fsdpkit first: a `latest` pointer that cannot be followed, and a directory that fsdpkit
+writes but never committed (no manifest.json; see fsdpkit.export.locate), are problems named as
+such, never checked as if they were plain DCP directories.
 """
 
 from __future__ import annotations
@@ -20,22 +24,23 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.hashing import LINEAR, MASK64, hash_part
-from fsdpkit.checkpoint.layout import MANIFEST
+from fsdpkit.checkpoint.layout import LATEST, MANIFEST
 from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.resume import verify_files
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, read_dcp_metadata
-from fsdpkit.export.safetensors_io import INDEX_FILE, read_header, safetensors_files
-from fsdpkit.export.sources import (
-    Chunk,
-    DcpSource,
-    chunk_problems,
-    iter_row_blocks,
+from fsdpkit.export.locate import (
+    LatestPointerError,
+    is_uncommitted_fsdpkit_dir,
+    not_committed_message,
     resolve_checkpoint_dir,
 )
+from fsdpkit.export.safetensors_io import INDEX_FILE, read_header, safetensors_files
+from fsdpkit.export.sources import Chunk, DcpSource, chunk_problems, iter_row_blocks
 from fsdpkit.export.tunables import BLOCK_BYTES, VERIFY_THREADS
 
 
@@ -60,6 +65,29 @@ def _checksum_problems(ckpt: Path, manifest: dict[str, Any], problems: _Problems
         problems.add(name, text)
         failed.add(name)
     return failed
+
+
+def extent_problem(path: Path, items: list[tuple[str, _StorageInfo]]) -> str | None:
+    """Why the byte ranges `items` ((key, storage entry) pairs, all in the file `path`) do not
+    all lie inside that file (None: they do)."""
+    if not path.is_file():
+        return f"{path} is missing ({len(items)} item(s) of the metadata live there)"
+    size = path.stat().st_size
+    beyond = [(k, s) for k, s in items if s.offset + s.length > size]
+    if not beyond:
+        return None
+    k, s = min(beyond, key=lambda item: item[1].offset)
+    return (f"{path} is truncated: {len(beyond)} item(s) lie beyond its end ({size} bytes), first {k} "
+            f"at bytes {s.offset}..{s.offset + s.length}")
+
+
+def extent_problems(ckpt: Path, metadata: Metadata) -> list[str]:
+    """Every file of the DCP checkpoint `ckpt` checked against the byte ranges its metadata lists
+    there (tensor chunks and pickled items alike): sizes only, no data read."""
+    by_file: dict[str, list[tuple[str, _StorageInfo]]] = defaultdict(list)
+    for index, storage in (metadata.storage_data or {}).items():
+        by_file[storage.relative_path].append((index.fqn, storage))
+    return [text for name in sorted(by_file) if (text := extent_problem(ckpt / name, by_file[name]))]
 
 
 def _dcp_structure(ckpt: Path, problems: _Problems, *, threads: int, skip: frozenset[str] = frozenset()) -> int:
@@ -87,14 +115,9 @@ def _dcp_structure(ckpt: Path, problems: _Problems, *, threads: int, skip: froze
 
     def check_file(name: str) -> list[str]:
         path = ckpt / name
-        if not path.is_file():
-            return [f"{path} is missing ({len(by_file[name])} item(s) of the metadata live there)"]
-        size = path.stat().st_size
-        beyond = [(k, c.storage) for k, _, c in by_file[name] if c.storage.offset + c.storage.length > size]
-        if beyond:
-            k, s = beyond[0]
-            return [f"{path} is truncated: {len(beyond)} item(s) lie beyond its end ({size} bytes), first {k} "
-                    f"at bytes {s.offset}..{s.offset + s.length}"]
+        problem = extent_problem(path, [(k, c.storage) for k, _, c in by_file[name]])
+        if problem:
+            return [problem]
         source = DcpSource(ckpt, metadata=metadata)
         found = []
         try:
@@ -171,16 +194,28 @@ def _safetensors_structure(folder: Path, files: list[Path], problems: _Problems)
 def verify_checkpoint(path: str | os.PathLike, *, threads: int = VERIFY_THREADS, tensors: bool = False) -> dict[str, Any]:
     """Verify a checkpoint; never raises for what it finds, only for a path that is no checkpoint.
 
+    A `latest` pointer that cannot be followed and an fsdpkit checkpoint that was never
+    committed (a directory fsdpkit writes, without manifest.json) are problems it finds.
+
     Returns:
         {"path", "kind", "ok", "problems": [...], "bad_files": [...], "checked": {...}, "checksums": str}
     Raises:
         FileNotFoundError: nothing checkpoint-like at `path`.
     """
-    ckpt = resolve_checkpoint_dir(path)
     problems = _Problems()
     checked: dict[str, int] = {}
     checksums = "none recorded"
-    if ckpt.is_file():
+    try:
+        ckpt = resolve_checkpoint_dir(path)
+    except LatestPointerError as exc:
+        problems.add(LATEST, str(exc))
+        return {"path": str(path), "kind": "fsdpkit", "ok": False, "problems": [t for _, t in problems.items],
+                "bad_files": problems.bad_files(), "checked": checked, "checksums": "none: no checkpoint to check"}
+    if is_uncommitted_fsdpkit_dir(ckpt):
+        kind = "fsdpkit"
+        checksums = "none: the checkpoint was never committed"
+        problems.add(MANIFEST, not_committed_message(ckpt))
+    elif ckpt.is_file():
         kind = "safetensors"
         checksums = "none recorded (safetensors): header and size checked only"
         _safetensors_structure(ckpt.parent, [ckpt], problems)

@@ -151,9 +151,10 @@ def run(cfg: Config) -> dict[str, Any]:
 
 
 def export_final(cfg: Config) -> dict[str, Any]:
-    """Export the final checkpoint's weights as configured under `export` (one process)."""
+    """Export the final checkpoint's weights as configured under `export` (one process). It
+    replaces only an earlier export there and never overlaps the checkpoints or the run directory."""
     e = cfg.export
     report = export_checkpoint(Path(cfg.checkpoint.dir), Path(e.dir), dtype=e.dtype, fmt=e.format,
-                               max_shard_size=e.max_shard_size, overwrite=True)
+                               max_shard_size=e.max_shard_size, overwrite=True, run_dirs=[cfg.run_dir])
     log.info("exported the final weights to %s (%s)", e.dir, report.get("dtype_note") or e.dtype)
     return report
