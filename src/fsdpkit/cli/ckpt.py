@@ -8,6 +8,7 @@ import argparse
 import json
 from typing import Any
 
+from fsdpkit.config.paths import refuse_url
 from fsdpkit.export.tunables import DEFAULT_MAX_SHARD_SIZE, VERIFY_THREADS
 
 CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp), a checkpoints or run directory "
@@ -180,4 +181,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen `ckpt` subcommand; returns the exit code."""
+    for name in ("ckpt", "out", "a", "b"):
+        if isinstance(getattr(args, name, None), str):
+            refuse_url(getattr(args, name), setting=name.upper())
     return {"export": _export, "inspect": _inspect, "verify": _verify, "diff": _diff}[args.ckpt_command](args)

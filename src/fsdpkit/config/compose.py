@@ -22,6 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdpkit.config.paths import refuse_url
 from fsdpkit.config.schema import (
     MIXED_PRECISION_PRESETS,
     SHARDING_STRATEGIES,
@@ -165,6 +166,10 @@ def validate(cfg: Config) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
                          "`pip install tensorboard`, or set logging.tensorboard=false")
+    for setting, value in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint.dir),
+                           ("checkpoint.resume", cfg.checkpoint.resume), ("export.dir", cfg.export.dir),
+                           ("model.init_from", m.init_from.removeprefix("hf:"))):
+        refuse_url(value, setting=setting)
     if m.init_from and not (m.init_from.startswith("hf:") and len(m.init_from) > 3):
         raise ValueError(f"config key 'model.init_from' is {m.init_from!r}; use hf:<directory of safetensors> or ''")
     _one_of("export.dtype", cfg.export.dtype, ("bf16", "fp16", "fp32"))
