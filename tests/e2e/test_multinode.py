@@ -12,11 +12,10 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import fsdpkit  # noqa: E402
-from nodes import run_nodes  # noqa: E402
-from reference import reference_run  # noqa: E402
-
 from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
+from nodes import run_nodes  # noqa: E402
+from reference import reference_run  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 RTOL = 1e-6
