@@ -1,9 +1,10 @@
 """`fsdpkit resume-check`: the user's proof, on their own config, that resuming is seamless.
 
 Runs the config uninterrupted for K steps; runs it again, saving at step S and stopping there as
-an interruption would; resumes it (optionally at another world size) to step K; then prints a
-per-step table of loss and grad-norm differences and fails if any exceeds the tolerance: 0 at the
-same world size in deterministic mode, else 1e-6 relative in fp32 and 5e-4 in bf16.
+an interruption would; resumes it (optionally at another world size, or with other settings such
+as another sharding strategy) to step K; then prints a per-step table of loss and grad-norm
+differences and fails if any exceeds the tolerance: 0 when the resumed run changes nothing (same
+world size, no resume overrides) in deterministic mode, else 1e-6 relative in fp32 and 5e-4 in bf16.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fsdpkit.config import compose_config
+from fsdpkit.config import check_world_size, compose_config
 from fsdpkit.train.metrics import read_records
 
 ELASTIC_RTOL = {"fp32": 1e-6}
@@ -40,21 +41,28 @@ def tolerance(overrides: list[str], *, same_world_size: bool, config_dirs: list[
 
 
 def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int, steps: int, save_at: int,
-                 work_dir: Path | None = None, config_dirs: list[str] = ()) -> int:
-    """Returns the exit code: 0 when every step after the resume is within tolerance."""
+                 work_dir: Path | None = None, config_dirs: list[str] = (), resume_overrides: list[str] = ()) -> int:
+    """Returns the exit code: 0 when every step after the resume is within tolerance.
+    `resume_overrides` apply to the resumed run only (after `overrides`)."""
     if not 0 < save_at < steps:
         raise ValueError(f"--save-at must lie between 0 and --steps ({steps}), got {save_at}")
-    rtol = tolerance(overrides, same_world_size=nproc == resume_nproc, config_dirs=list(config_dirs))
+    # The resumed run's config is validated now, not after the first two runs.
+    resumed_cfg = compose_config([*overrides, *resume_overrides], config_dirs=list(config_dirs))
+    check_world_size(resumed_cfg, resume_nproc, local_world_size=resume_nproc)
+    unchanged = nproc == resume_nproc and not resume_overrides
+    rtol = tolerance(overrides, same_world_size=unchanged, config_dirs=list(config_dirs))
     work = Path(work_dir or tempfile.mkdtemp(prefix="fsdpkit-resume-check-"))
     common = [*overrides, f"train.max_steps={steps}", "train.eval_every=0", "train.progress=false",
               "checkpoint.save_at_end=false"]
     full, resumed = work / "uninterrupted", work / "resumed"
+    changed = f" with {' '.join(resume_overrides)}" if resume_overrides else ""
     print(f"resume-check: {steps} steps on {nproc} rank(s) uninterrupted, then saved at step {save_at}, "
-          f"interrupted, resumed on {resume_nproc} rank(s); work dir {work}", flush=True)
+          f"interrupted, resumed on {resume_nproc} rank(s){changed}; work dir {work}", flush=True)
     _train(nproc, [*common, "checkpoint.resume=none", "checkpoint.every_steps=0"], full, list(config_dirs))
     _train(nproc, [*common, "checkpoint.resume=none", f"checkpoint.every_steps={save_at}", f"train.stop_at={save_at}"],
            resumed, list(config_dirs))
-    _train(resume_nproc, [*common, "checkpoint.resume=auto", "checkpoint.every_steps=0"], resumed, list(config_dirs))
+    _train(resume_nproc, [*common, *resume_overrides, "checkpoint.resume=auto", "checkpoint.every_steps=0"], resumed,
+           list(config_dirs))
     a, b = _by_step(full), _by_step(resumed)
     worst = 0.0
     print(f"{'step':>5} {'loss (uninterrupted)':>22} {'loss (resumed)':>22} {'rel diff':>10} {'grad_norm rel diff':>19}")
