@@ -52,3 +52,13 @@ def test_two_launchers_hsdp_2x2_match_one_launcher_full_shard_and_the_reference(
         assert max_rel(ours, ref[key]) < RTOL, key
     assert abs(a[-1]["val_loss"] - ref["val_loss"]) / ref["val_loss"] < RTOL
     assert min(ref["grad_norm"]) > 0.5  # clipping (grad_clip=0.5) was active
+
+
+def test_resume_check_validates_the_resumed_mesh_before_running_anything(tmp_path):
+    # HSDP 2x2 cannot run on 3 ranks: the error comes at once and names the way out.
+    proc = fsdpkit("resume-check", "--nproc", "4", "--resume-nproc", "3", *HSDP_2X2, "train.global_batch_size=12",
+                   "train.micro_batch_size=1", "--work-dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert ("the resumed run on 3 rank(s): strategy.hsdp_shard_size=2 does not divide the world size 3" in proc.stderr
+            and "--resume-overrides strategy.sharding_strategy=FULL_SHARD" in proc.stderr), proc.stderr
+    assert not any(tmp_path.iterdir())  # no run was started

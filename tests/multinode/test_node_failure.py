@@ -15,9 +15,8 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nodes import Node, kill_tree, run_nodes, start_nodes, wait_all  # noqa: E402
-
 from fsdpkit.train.metrics import read_records  # noqa: E402
+from nodes import Node, kill_tree, run_nodes, start_nodes, wait_all  # noqa: E402
 
 pytestmark = pytest.mark.multinode
 STEPS, EVERY = 20, 5

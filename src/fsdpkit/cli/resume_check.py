@@ -48,7 +48,12 @@ def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int, steps: 
         raise ValueError(f"--save-at must lie between 0 and --steps ({steps}), got {save_at}")
     # The resumed run's config is validated now, not after the first two runs.
     resumed_cfg = compose_config([*overrides, *resume_overrides], config_dirs=list(config_dirs))
-    check_world_size(resumed_cfg, resume_nproc, local_world_size=resume_nproc)
+    try:
+        check_world_size(resumed_cfg, resume_nproc, local_world_size=resume_nproc)
+    except ValueError as e:
+        hint = (", or resume under another strategy: --resume-overrides strategy.sharding_strategy=FULL_SHARD"
+                if resumed_cfg.strategy.sharding_strategy == "HYBRID_SHARD" else "")
+        raise ValueError(f"the resumed run on {resume_nproc} rank(s): {e}{hint}") from None
     unchanged = nproc == resume_nproc and not resume_overrides
     rtol = tolerance(overrides, same_world_size=unchanged, config_dirs=list(config_dirs))
     work = Path(work_dir or tempfile.mkdtemp(prefix="fsdpkit-resume-check-"))
