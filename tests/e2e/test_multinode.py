@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import fsdpkit  # noqa: E402
+from fsdpkit.cli.main import main  # noqa: E402
 from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
 from nodes import run_nodes  # noqa: E402
@@ -54,11 +55,15 @@ def test_two_launchers_hsdp_2x2_match_one_launcher_full_shard_and_the_reference(
     assert min(ref["grad_norm"]) > 0.5  # clipping (grad_clip=0.5) was active
 
 
-def test_resume_check_validates_the_resumed_mesh_before_running_anything(tmp_path):
+def test_resume_check_validates_the_resumed_mesh_before_running_anything(tmp_path, capsys):
     # HSDP 2x2 cannot run on 3 ranks: the error comes at once and names the way out.
-    proc = fsdpkit("resume-check", "--nproc", "4", "--resume-nproc", "3", *HSDP_2X2, "train.global_batch_size=12",
-                   "train.micro_batch_size=1", "--work-dir", str(tmp_path))
-    assert proc.returncode == 2
-    assert ("the resumed run on 3 rank(s): strategy.hsdp_shard_size=2 does not divide the world size 3" in proc.stderr
-            and "--resume-overrides strategy.sharding_strategy=FULL_SHARD" in proc.stderr), proc.stderr
+    common = ["resume-check", "--nproc", "4", "--resume-nproc", "3", *HSDP_2X2, "train.global_batch_size=12",
+              "train.micro_batch_size=1", "--work-dir", str(tmp_path)]
+    assert main(common) == 2
+    err = capsys.readouterr().err
+    assert ("the resumed run on 3 rank(s): strategy.hsdp_shard_size=2 does not divide the world size 3" in err
+            and "--resume-overrides strategy.sharding_strategy=FULL_SHARD" in err), err
+    # The overrides reach the resumed run's config (here a bad value, so that nothing runs).
+    assert main([*common, "--resume-overrides", "strategy.sharding_strategy=FULL_SHARD train.micro_batch_size=5"]) == 2
+    assert "the resumed run on 3 rank(s): train.global_batch_size=12 is not divisible" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # no run was started
