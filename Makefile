@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test multinode bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
+
+# Simulated nodes: several torchrun launchers on loopback; a node killed mid-step and mid-save;
+# resume across meshes through the CLI (minutes; not part of `make test`).
+multinode: $(STAMP)
+	$(BIN)/python -m pytest tests/multinode -m multinode -v -s
 
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py

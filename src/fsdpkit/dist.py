@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -152,3 +153,49 @@ def on_main(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None,
 def echoed(error: BaseException) -> bool:
     """True for an error raised by `on_main` on a rank other than the one that reports it."""
     return bool(getattr(error, "echoed", False))
+
+
+def new_peer_group(*, timeout_s: float) -> dist.ProcessGroup | None:
+    """A gloo group kept for `unresponsive_ranks` alone, so that it is idle (and intact) when a
+    training or checkpoint collective fails. Collective: every rank creates it at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def lost_a_peer(error: BaseException | None) -> bool:
+    """Whether `error`, or an error that caused it, is a failed collective (a peer that died or
+    stalled) rather than a failure of this rank's own."""
+    while error is not None:
+        if isinstance(error, dist.DistError) or "gloo/transport" in str(error) or "Timed out waiting" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def unresponsive_ranks(group: dist.ProcessGroup | None, *, timeout_s: float) -> list[int]:
+    """After a failed collective: the ranks that do not exchange a token with this rank within
+    `timeout_s` (their process or node died, or they are stuck elsewhere). Point-to-point with every
+    peer, so it needs no coordinating rank: a lost rank 0 is found like any other. Every surviving
+    rank calls it; a peer that did not is reported too."""
+    if group is None:
+        return []
+    me = dist.get_rank()
+    token = torch.tensor([me], dtype=torch.int64)
+    lost: set[int] = set()
+    pending = []
+    for peer in (r for r in range(dist.get_world_size()) if r != me):
+        try:
+            pending.append((peer, dist.isend(token, peer, group=group),
+                            dist.irecv(torch.empty(1, dtype=torch.int64), peer, group=group)))
+        except RuntimeError:  # the connection to that peer is already known to be broken
+            lost.add(peer)
+    deadline = time.monotonic() + timeout_s
+    for peer, *works in pending:
+        for work in works:
+            try:
+                work.wait(datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            except RuntimeError:
+                lost.add(peer)
+                break
+    return sorted(lost)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -47,14 +48,19 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="Hydra overrides")
     r = sub.add_parser("resume-check", help="prove that resuming your config is seamless",
                        description="Run the config uninterrupted, then saved at --save-at, interrupted and resumed "
-                                   "(optionally on --resume-nproc ranks); check from the resumed run's own records "
-                                   "(the resume event in metrics.jsonl) that it loaded the full state of step --save-at "
-                                   "saved on --nproc ranks; print per-step loss and grad-norm differences. Exit 1 if "
-                                   "no such resume is recorded or any difference exceeds the tolerance (0 at the same "
-                                   "world size with deterministic=true; else 1e-6 relative when policy.mixed_precision "
-                                   "keeps every dtype fp32, 5e-4 otherwise, custom _target_ policies included).")
+                                   "(optionally on --resume-nproc ranks, with --resume-overrides); check from the resumed "
+                                   "run's own records (the resume event in metrics.jsonl) that it loaded the full state of "
+                                   "step --save-at saved on --nproc ranks; print per-step loss and grad-norm differences. "
+                                   "Exit 1 if no such resume is recorded or any difference exceeds the tolerance (0 when "
+                                   "the resumed run changes nothing, with deterministic=true; else 1e-6 relative when "
+                                   "policy.mixed_precision keeps every dtype fp32, 5e-4 otherwise, custom _target_ "
+                                   "policies included).")
     r.add_argument("--nproc", type=int, default=2, help="ranks of the uninterrupted and first run (default 2)")
     r.add_argument("--resume-nproc", type=int, default=None, help="ranks of the resumed run (default: --nproc)")
+    r.add_argument("--resume-overrides", action="append", default=[], metavar="OVERRIDES",
+                   help="Hydra overrides for the resumed run only, space-separated, e.g. "
+                        "'strategy.sharding_strategy=FULL_SHARD' to resume an HSDP checkpoint under FULL_SHARD; "
+                        "repeatable")
     r.add_argument("--steps", type=int, default=12, help="steps K of each run (default 12)")
     r.add_argument("--save-at", type=int, default=6, help="step S of the save and interruption (default 6)")
     r.add_argument("--work-dir", default=None,
@@ -152,7 +158,8 @@ def _resume_check(args: argparse.Namespace) -> int:
     from fsdpkit.cli.resume_check import resume_check
 
     return resume_check(overrides=args.overrides, nproc=args.nproc, resume_nproc=args.resume_nproc or args.nproc,
-                        steps=args.steps, save_at=args.save_at, work_dir=args.work_dir, config_dirs=args.config_dir)
+                        steps=args.steps, save_at=args.save_at, work_dir=args.work_dir, config_dirs=args.config_dir,
+                        resume_overrides=[o for group in args.resume_overrides for o in shlex.split(group)])
 
 
 def _stdout_closed() -> int:

@@ -115,6 +115,7 @@ def run(cfg: Config) -> dict[str, Any]:
     dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type))
     setup_logging(cfg.log_level)
     trainer, failed, found = None, True, None
+    peers = dist.new_peer_group(timeout_s=cfg.checkpoint.exception_timeout_s)
     try:
         seed_everything(cfg.seed, rank=dist.rank())
         run_dir = Path(cfg.run_dir)
@@ -135,6 +136,10 @@ def run(cfg: Config) -> dict[str, Any]:
             log.info("done: %s", json.dumps(summary))
             log.info("run directory: %s (metrics: %s)", run_dir.resolve(), (run_dir / METRICS_FILE).resolve())
         failed = False
+    except Exception as e:
+        if dist.lost_a_peer(e):
+            report_lost_peers(peers, timeout_s=cfg.checkpoint.exception_timeout_s)
+        raise
     finally:
         if trainer is not None and trainer.checkpointer is not None:
             trainer.checkpointer.close(wait=False)  # the lock and signal handlers (a no-op after fit)
@@ -148,6 +153,17 @@ def run(cfg: Config) -> dict[str, Any]:
     if cfg.export.on_finish and finished and main:
         export_final(cfg)  # after the teardown: no rank waits on it
     return summary
+
+
+def report_lost_peers(group: Any, *, timeout_s: float) -> None:
+    """After a collective failed: name the ranks that no longer answer, so that the survivors' logs
+    say which node to look at (torch's launcher only lists its own, surviving, ranks as failed)."""
+    lost = dist.unresponsive_ranks(group, timeout_s=timeout_s)
+    if lost:
+        log.error("lost rank(s) %s: no answer within checkpoint.exception_timeout_s=%s s after a collective failed "
+                  "(their process or node died, or they are stuck); rank %d stops too. Check the node(s) and logs of "
+                  "rank(s) %s, then rerun the same command on every node to resume from the last committed checkpoint",
+                  ", ".join(map(str, lost)), timeout_s, dist.rank(), ", ".join(map(str, lost)))
 
 
 def export_final(cfg: Config) -> dict[str, Any]:
