@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,7 +19,21 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         return LlamaForCausalLM(LlamaArgs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(LlamaArgs)}))
     from fsdpkit.model.hf import build_hf_model
 
-    return build_hf_model(cfg.hf_config)
+    model = build_hf_model(cfg.hf_config)
+    if cfg.peft.method == "lora":
+        from fsdpkit.model.peft import apply_lora
+
+        model = apply_lora(model, cfg.peft)
+    return model
+
+
+def param_init_std(model: nn.Module) -> Callable[[str], float | None] | None:
+    """Per-parameter init std that overrides `init_std` (None: none does); LoRA adapters have their own."""
+    if any(".lora_A." in name for name, _ in model.named_parameters()):
+        from fsdpkit.model.peft import lora_init_std
+
+        return lora_init_std(model)
+    return None
 
 
 def init_std(model: nn.Module) -> float:

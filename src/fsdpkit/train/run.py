@@ -19,6 +19,7 @@ from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
 from fsdpkit.export import export_checkpoint, load_hf_weights
 from fsdpkit.log import get_logger, setup_logging
 from fsdpkit.model import vocab_size
+from fsdpkit.model.peft import peft_base_name
 from fsdpkit.parallel import ShardingPlan, build_sharded_model
 from fsdpkit.train.determinism import enable_determinism, seed_everything
 from fsdpkit.train.loop import Trainer
@@ -50,9 +51,11 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
     check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
     init_from = cfg.model.init_from.removeprefix("hf:") if init else ""
-    model, plan = build_sharded_model(cfg, device, init=init and not init_from)
+    lora = cfg.model.peft.method == "lora"
+    # LoRA adapters are not in the base model's folder: they get their own init, the rest is loaded.
+    model, plan = build_sharded_model(cfg, device, init=init and (lora or not init_from))
     if init_from:
-        loaded = load_hf_weights(model, init_from)
+        loaded = load_hf_weights(model, init_from, rename=peft_base_name if lora else None)
         log.info("initialised %d tensors from %s in %.2f s (rank 0 read %.1f MiB: its own slices)",
                  loaded["loaded"], init_from, loaded["seconds"], loaded["bytes_read"] / 2**20)
     log.info(precision_note(cfg, plan))
@@ -64,7 +67,7 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     tensorboard = TensorBoardWriter.open(cfg.logging.tensorboard_dir) if cfg.logging.tensorboard else None
     train_data, val_data = build_datasets(cfg.data, vocab_size=vocab_size(model), seed=cfg.seed)
     sampler = GlobalSampler(num_samples=len(train_data), global_batch_size=cfg.train.global_batch_size,
-                            seed=cfg.seed, shuffle=cfg.data.shuffle)
+                            seed=cfg.seed, shuffle=cfg.data.shuffle, fingerprint=getattr(train_data, "fingerprint", ""))
     t = cfg.train
     trainer = Trainer(
         model=model,
