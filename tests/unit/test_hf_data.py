@@ -149,7 +149,7 @@ def test_errors_name_the_setting(tmp_path, hf_tokenizer_dir, tok):
     with pytest.raises(FileNotFoundError, match="data.files: .* matches no file"):
         _data(tmp_path, hf_tokenizer_dir, [tmp_path / "nothing*.jsonl"])
     doc = _write(tmp_path / "d.jsonl", [{"body": "x"}])
-    with pytest.raises(ValueError, match="data.text_field='text' is not a column .*\['body'\]"):
+    with pytest.raises(ValueError, match=r"data.text_field='text' is not a column .*\['body'\]"):
         _data(tmp_path, hf_tokenizer_dir, [doc])
     with pytest.raises(ValueError, match="data.kind=hf needs data.tokenizer"):
         compose_config(["data=hf", "data.files=[x.jsonl]", "data.tokenizer=''"])

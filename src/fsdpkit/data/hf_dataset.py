@@ -22,7 +22,13 @@ import numpy as np
 import torch
 
 from fsdpkit.config.schema import DataConfig
-from fsdpkit.data.token_cache import TokenizedCorpus, TokenizeSpec, pick_builder, resolve_files, tokenized_corpus
+from fsdpkit.data.token_cache import (
+    TokenizedCorpus,
+    TokenizeSpec,
+    pick_builder,
+    resolve_files,
+    tokenized_corpus,
+)
 from fsdpkit.data.tokenizer import check_vocab, load_tokenizer, tokenizer_fingerprint
 from fsdpkit.log import get_logger
 

@@ -7,8 +7,8 @@ is passed to transformers as a hub id (that needs network, and is the user's exp
 from __future__ import annotations
 
 import hashlib
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 
