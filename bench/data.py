@@ -137,6 +137,16 @@ def bench_steps(args: argparse.Namespace, work: Path, corpus: Path, tok_dir: Pat
     return json.loads(out.read_text())
 
 
+def print_table(title: str, header: tuple[str, str, str], per_run: dict[str, list[float]], medians: dict[str, float],
+                fmt: str, verdict: str) -> None:
+    """A markdown table: one row per run or round, the two sides side by side, then the medians."""
+    a, b = per_run
+    lines = [f"{title}:", "", f"| {' | '.join(header)} |", "|---|---|---|"]
+    lines += [f"| {i + 1} | {fmt.format(x)} | {fmt.format(y)} |" for i, (x, y) in enumerate(zip(per_run[a], per_run[b], strict=True))]
+    lines += [f"| **median** | **{fmt.format(medians[a])}** | **{fmt.format(medians[b])}** |", "", verdict, ""]
+    print("\n".join(lines), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5, help="tokenization runs per side (default 5)")
@@ -159,22 +169,15 @@ def main() -> None:
         result = {"loadavg_1min_before": os.getloadavg()[0], "cpu_count": os.cpu_count()}
         if args.only in (None, "tokenize"):
             result["tokenize"] = t = bench_tokenize(args, work, corpus, tok_dir)
-            print(f"tokenization, {t['documents']} documents, {t['tokens']:,} tokens, num_proc={t['num_proc']}, "
-                  f"{args.runs} runs each:\n\n| run | datasets.map tok/s | fsdpkit tok/s |\n|---|---|---|")
-            for i, (a, b) in enumerate(zip(t["tokens_per_s"]["datasets.map"], t["tokens_per_s"]["fsdpkit"], strict=True)):
-                print(f"| {i + 1} | {a:,.0f} | {b:,.0f} |")
-            m = t["median_tokens_per_s"]
-            print(f"| **median** | **{m['datasets.map']:,.0f}** | **{m['fsdpkit']:,.0f}** |\n\n"
-                  f"fsdpkit / datasets.map: {t['ratio']:.3f}x (target >= 1)\n")
+            print_table(f"tokenization, {t['documents']} documents, {t['tokens']:,} tokens, num_proc={t['num_proc']}, "
+                        f"{args.runs} runs each", ("run", "datasets.map tok/s", "fsdpkit tok/s"),
+                        t["tokens_per_s"], t["median_tokens_per_s"], "{:,.0f}",
+                        f"fsdpkit / datasets.map: {t['ratio']:.3f}x (target >= 1)")
         if args.only in (None, "steps"):
             result["steps"] = s = bench_steps(args, work, corpus, tok_dir)
-            print(f"step time, {s['world_size']} gloo ranks, {' '.join(s['overrides'])}, {args.rounds} rounds x "
-                  f"{args.steps} steps:\n\n| round | synthetic s/step | hf s/step |\n|---|---|---|")
-            for i, (a, b) in enumerate(zip(s["step_time_s"]["synthetic"], s["step_time_s"]["hf"], strict=True)):
-                print(f"| {i + 1} | {a:.4f} | {b:.4f} |")
-            m = s["median_step_time_s"]
-            print(f"| **median** | **{m['synthetic']:.4f}** | **{m['hf']:.4f}** |\n\n"
-                  f"hf / synthetic: {s['ratio']:.3f}x (target <= 1.05)")
+            print_table(f"step time, {s['world_size']} gloo ranks, {' '.join(s['overrides'])}, {args.rounds} rounds x "
+                        f"{args.steps} steps", ("round", "synthetic s/step", "hf s/step"), s["step_time_s"],
+                        s["median_step_time_s"], "{:.4f}", f"hf / synthetic: {s['ratio']:.3f}x (target <= 1.05)")
         result["loadavg_1min_after"] = os.getloadavg()[0]
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")
