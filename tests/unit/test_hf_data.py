@@ -156,3 +156,31 @@ def test_errors_name_the_setting(tmp_path, hf_tokenizer_dir, tok):
     saved = GlobalSampler(num_samples=8, global_batch_size=2, seed=0, fingerprint="aaaa").state_dict()
     with pytest.raises(ValueError, match="data cursor was saved for data aaaa but this run reads bbbb"):
         GlobalSampler(num_samples=8, global_batch_size=2, seed=0, fingerprint="bbbb").load_state_dict(saved)
+
+
+def test_resize_to_tokenizer_grows_the_vocabulary_and_loads_the_folders_rows(tmp_path, hf_tokenizer_dir, tok):
+    import transformers
+
+    from fsdpkit.export.hf_import import load_hf_weights
+    from fsdpkit.model import build_model
+    from fsdpkit.train.run import resize_vocab_to_tokenizer
+
+    small = ["experiment=hf_llama", "model.vocab_size=300", "model.hf_config.vocab_size=300", "data=hf",
+             "data.files=[x.jsonl]", f"data.tokenizer={hf_tokenizer_dir}"]
+    cfg = compose_config(small)
+    assert not resize_vocab_to_tokenizer(cfg) and cfg.model.hf_config["vocab_size"] == 300  # only when asked
+    kwargs = dict(cfg.model.hf_config)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs))
+    base.save_pretrained(tmp_path / "base")
+
+    cfg = compose_config([*small, "model.resize_to_tokenizer=true"])
+    assert resize_vocab_to_tokenizer(cfg) and cfg.model.hf_config["vocab_size"] == cfg.model.vocab_size == len(tok)
+    model = build_model(cfg.model)
+    torch.nn.init.zeros_(model.lm_head.weight)
+    report = load_hf_weights(model, tmp_path / "base", grow_rows=True)
+    assert report["grown"] == {"model.embed_tokens.weight": 300, "lm_head.weight": 300}
+    assert torch.equal(model.lm_head.weight[:300], base.lm_head.weight)
+    assert not model.lm_head.weight[300:].any()  # rows the folder does not have keep their init
+    with pytest.raises(Exception, match="shape differs"):
+        load_hf_weights(build_model(cfg.model), tmp_path / "base")  # without grow_rows: refused

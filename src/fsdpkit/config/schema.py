@@ -114,6 +114,10 @@ class ModelConfig:
     or shards with an index) instead of a random init; each rank reads only the slices it owns,
     converted to the parameter dtype. Keys and shapes must match the model. Ignored when the run
     resumes from a checkpoint. Empty: random init from seed."""
+    resize_to_tokenizer: bool = False
+    """data.kind=hf: when data.tokenizer has more tokens than the model's vocabulary, grow the
+    embedding and lm_head to the tokenizer's size instead of refusing to start. New rows get the
+    seeded init; with model.init_from the folder's rows are loaded into the first rows."""
     peft: PeftConfig = field(default_factory=PeftConfig)
     """Adapters (LoRA) instead of full fine-tuning."""
 

@@ -39,6 +39,11 @@ def load_tokenizer(spec: str) -> Any:
     return tok
 
 
+def tokenizer_size(spec: str) -> int:
+    """Token ids the tokenizer in `spec` can produce (its `len`, added tokens included)."""
+    return len(load_tokenizer(spec))
+
+
 def tokenizer_fingerprint(tok: Any) -> str:
     """A digest of everything that decides token ids: the vocabulary, merges, normaliser,
     special tokens and chat template (the serialised fast tokenizer plus the template)."""
@@ -60,7 +65,7 @@ def check_vocab(tok: Any, *, model_vocab: int, spec: str) -> None:
         raise ValueError(
             f"data.tokenizer={spec!r} has {need} tokens but the model's vocabulary has {model_vocab} rows; "
             f"set model.vocab_size (and model.hf_config.vocab_size for model.kind=hf) to at least {need}, "
-            "or use a tokenizer with fewer tokens"
+            "or set model.resize_to_tokenizer=true to grow the embedding and lm_head"
         )
 
 

@@ -36,6 +36,17 @@ def param_init_std(model: nn.Module) -> Callable[[str], float | None] | None:
     return None
 
 
+def grow_vocab(cfg: ModelConfig, size: int) -> bool:
+    """Set the model config's vocabulary to `size` if that is larger; returns whether it grew."""
+    current = int(cfg.hf_config.get("vocab_size", cfg.vocab_size)) if cfg.kind == "hf" else cfg.vocab_size
+    if size <= current:
+        return False
+    cfg.vocab_size = size
+    if cfg.kind == "hf":
+        cfg.hf_config["vocab_size"] = size
+    return True
+
+
 def init_std(model: nn.Module) -> float:
     """Standard deviation of the normal init of linear/embedding weights for this model."""
     if isinstance(model, LlamaForCausalLM):

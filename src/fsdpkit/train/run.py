@@ -15,10 +15,11 @@ from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets
+from fsdpkit.data.tokenizer import tokenizer_size
 from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
 from fsdpkit.export import export_checkpoint, load_hf_weights
 from fsdpkit.log import get_logger, setup_logging
-from fsdpkit.model import vocab_size
+from fsdpkit.model import grow_vocab, vocab_size
 from fsdpkit.model.peft import peft_base_name
 from fsdpkit.parallel import ShardingPlan, build_sharded_model
 from fsdpkit.train.determinism import enable_determinism, seed_everything
@@ -52,10 +53,12 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
     init_from = cfg.model.init_from.removeprefix("hf:") if init else ""
     lora = cfg.model.peft.method == "lora"
-    # LoRA adapters are not in the base model's folder: they get their own init, the rest is loaded.
-    model, plan = build_sharded_model(cfg, device, init=init and (lora or not init_from))
+    grown = resize_vocab_to_tokenizer(cfg)
+    # LoRA adapters and grown vocabulary rows are not in the base model's folder: they get their
+    # own init, the rest is loaded.
+    model, plan = build_sharded_model(cfg, device, init=init and (lora or grown or not init_from))
     if init_from:
-        loaded = load_hf_weights(model, init_from, rename=peft_base_name if lora else None)
+        loaded = load_hf_weights(model, init_from, rename=peft_base_name if lora else None, grow_rows=grown)
         log.info("initialised %d tensors from %s in %.2f s (rank 0 read %.1f MiB: its own slices)",
                  loaded["loaded"], init_from, loaded["seconds"], loaded["bytes_read"] / 2**20)
     log.info(precision_note(cfg, plan))
@@ -91,6 +94,17 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     return trainer, plan
 
 
+def resize_vocab_to_tokenizer(cfg: Config) -> bool:
+    """model.resize_to_tokenizer: grow the model's vocabulary to data.tokenizer's size (in the config,
+    before the model is built); returns whether the vocabulary is larger than configured."""
+    if not (cfg.model.resize_to_tokenizer and cfg.data.kind == "hf" and cfg.data.tokenizer):
+        return False
+    size = tokenizer_size(cfg.data.tokenizer)
+    if grow_vocab(cfg.model, size):
+        log.info("model vocabulary grown to %d rows for data.tokenizer (model.resize_to_tokenizer)", size)
+    return cfg.model.vocab_size == size
+
+
 def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups) -> Checkpointer:
     """Give the trainer a Checkpointer over its model, optimizer and Stateful pieces."""
     target = CheckpointTarget(model=trainer.model, optimizer=trainer.optimizer, stateful=trainer.stateful())
@@ -121,6 +135,7 @@ def run(cfg: Config) -> dict[str, Any]:
     trainer, failed = None, True
     try:
         seed_everything(cfg.seed, rank=dist.rank())
+        resize_vocab_to_tokenizer(cfg)  # before config.yaml is written: it records the grown size
         run_dir = Path(cfg.run_dir)
         if dist.is_main():
             run_dir.mkdir(parents=True, exist_ok=True)
