@@ -144,6 +144,11 @@ def _export(args: argparse.Namespace) -> int:
 
     if args.adapter or args.merge:
         return _export_lora(args)
+    from fsdpkit.export.adapter import is_lora_checkpoint
+
+    if is_lora_checkpoint(args.ckpt):
+        raise ValueError(f"{args.ckpt} is a LoRA run (model.peft.method=lora): its weights carry peft's layer names, which "
+                         "no model loads; pass --merge for the merged model or --adapter for the PEFT adapter")
 
     report = export_checkpoint(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, fmt=args.fmt,
                                namespace=args.namespace, strip_prefixes=args.strip_prefix, add_prefix=args.add_prefix,

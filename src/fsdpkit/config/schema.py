@@ -321,7 +321,8 @@ class ExportConfig:
 
     on_finish: bool = False
     """When training reaches train.max_steps, export the final checkpoint's model weights (rank
-    0, streaming, after the process group is torn down). Needs checkpoint.save_at_end."""
+    0, streaming, after the process group is torn down). Needs checkpoint.save_at_end. LoRA runs
+    export the model with the adapters merged in (as `fsdpkit ckpt export --merge`)."""
     dir: str = "${run_dir}/export"
     """Where the export goes (replaced if it exists)."""
     dtype: str = "bf16"

@@ -56,6 +56,13 @@ def _peft_settings(opened: OpenedCheckpoint) -> Any:
     return type("PeftSettings", (), dict(peft_cfg))
 
 
+def is_lora_checkpoint(ckpt: str | os.PathLike) -> bool:
+    """Whether `ckpt` is an fsdpkit checkpoint of a model.peft.method=lora run."""
+    with open_checkpoint(ckpt) as opened:
+        peft_cfg = ((((opened.manifest or {}).get("config") or {}).get("model") or {}).get("peft") or {})
+        return peft_cfg.get("method", "none") == "lora"
+
+
 def _model_names(opened: OpenedCheckpoint) -> dict[str, str]:
     return model_weights(list(opened.source.tensors()), key_paths=opened.source.key_paths, structured=True)
 

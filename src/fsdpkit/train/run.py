@@ -172,6 +172,12 @@ def run(cfg: Config) -> dict[str, Any]:
 def export_final(cfg: Config) -> dict[str, Any]:
     """Export the final checkpoint's weights as configured under `export` (one process)."""
     e = cfg.export
+    if cfg.model.peft.method == "lora":  # a model anyone can load: the adapters merged in
+        from fsdpkit.export.adapter import export_merged
+
+        report = export_merged(Path(cfg.checkpoint.dir), Path(e.dir), dtype=e.dtype, overwrite=True)
+        log.info("exported the final weights, LoRA merged, to %s", e.dir)
+        return report
     report = export_checkpoint(Path(cfg.checkpoint.dir), Path(e.dir), dtype=e.dtype, fmt=e.format,
                                max_shard_size=e.max_shard_size, overwrite=True)
     log.info("exported the final weights to %s (%s)", e.dir, report.get("dtype_note") or e.dtype)
