@@ -186,7 +186,8 @@ def build_hf_datasets(cfg: DataConfig, *, vocab_size: int):
             raise ValueError(f"the {name} split has no sample of data.seq_len={cfg.seq_len} + 1 tokens "
                              f"({r.documents} documents, {r.dropped} dropped as too long); add data, lower data.seq_len "
                              "or change data.val_fraction / data.overlong")
-        log.info("data %s: %d documents -> %d samples (%s), %d trained tokens; overlong (> %d tokens): %d truncated, "
-                 "%d dropped", name, r.documents, r.samples, "packed" if cfg.packing else "padded", r.trained_tokens,
-                 cfg.seq_len + 1, r.truncated, r.dropped)
+        overlong = ("packed: documents run across windows, none cut" if cfg.packing else
+                    f"longer than {cfg.seq_len + 1} tokens: {r.truncated} truncated, {r.dropped} dropped")
+        log.info("data %s: %d documents -> %d samples, %d trained tokens; %s", name, r.documents, r.samples,
+                 r.trained_tokens, overlong)
     return train, val
