@@ -130,11 +130,9 @@ def _tokenize_fn(tok: Any, spec: TokenizeSpec):
             return {"ids": [p[0].astype(np.uint32) for p in pairs], "mask": [p[1] for p in pairs]}
 
         return chat
-    eos = tok.eos_token_id
 
-    def text(batch: dict[str, list]) -> dict[str, list]:
-        ids = tok(batch[spec.text_field], add_special_tokens=False, return_attention_mask=False)["input_ids"]
-        return {"ids": [x + [eos] for x in ids]}
+    def text(batch: dict[str, list]) -> dict[str, list]:  # EOS is added when the arrays are written
+        return {"ids": tok(batch[spec.text_field], add_special_tokens=False, return_attention_mask=False)["input_ids"]}
 
     return text
 
@@ -153,16 +151,25 @@ def _load_rows(spec: TokenizeSpec, *, hf_cache: Path) -> Any:
     return ds
 
 
-def _write_column(column: Any, path: Path, dtype: type) -> np.ndarray:
-    """A list<int> Arrow column, flattened chunk by chunk into a .npy file; returns the lengths."""
+def _write_column(column: Any, path: Path, dtype: type, *, append: int | None = None) -> np.ndarray:
+    """A list<int> Arrow column, flattened chunk by chunk into a .npy file, with `append` (EOS)
+    after every row if given; returns the rows' lengths as written."""
     import pyarrow.compute as pc
 
+    extra = 0 if append is None else 1
     lengths = np.concatenate([pc.list_value_length(c).to_numpy(zero_copy_only=False) for c in column.chunks]
-                             or [np.zeros(0, dtype=np.int64)]).astype(np.int64)
+                             or [np.zeros(0, dtype=np.int64)]).astype(np.int64) + extra
     out = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(int(lengths.sum()),))
     at = 0
     for chunk in column.chunks:
         values = chunk.flatten().to_numpy(zero_copy_only=False)
+        if append is not None:  # row r's tokens move r places right; each row's last slot gets `append`
+            rows = pc.list_value_length(chunk).to_numpy(zero_copy_only=False).astype(np.int64)
+            ends = np.cumsum(rows + 1)
+            block = np.empty(int(ends[-1]) if len(ends) else 0, dtype=dtype)
+            block[np.arange(len(values)) + np.repeat(np.arange(len(rows)), rows)] = values
+            block[ends - 1] = append
+            values = block
         out[at : at + len(values)] = values
         at += len(values)
     out.flush()
@@ -173,13 +180,14 @@ def _write_column(column: Any, path: Path, dtype: type) -> np.ndarray:
 def _build(spec: TokenizeSpec, tok: Any, *, final: Path, num_proc: int) -> None:
     t0 = time.perf_counter()
     rows = _load_rows(spec, hf_cache=final.parent / "hf-datasets")
-    mapped = rows.map(_tokenize_fn(tok, spec), batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
+    mapped = rows.map(_tokenize_fn(tok, spec), batched=True, batch_size=1000, num_proc=num_proc if num_proc > 1 else None,
                       remove_columns=rows.column_names, desc="fsdpkit: tokenizing", keep_in_memory=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        lengths = _write_column(mapped.data.column("ids"), tmp / IDS_FILE, np.uint32)
+        lengths = _write_column(mapped.data.column("ids"), tmp / IDS_FILE, np.uint32,
+                                append=None if spec.messages_field else tok.eos_token_id)
         if spec.messages_field:
             _write_column(mapped.data.column("mask"), tmp / MASK_FILE, np.uint8)
         np.save(tmp / OFFSETS_FILE, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64))
