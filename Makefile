@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/export.py
+	$(BIN)/python bench/data.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples

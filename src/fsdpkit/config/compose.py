@@ -139,7 +139,22 @@ def validate(cfg: Config) -> None:
             raise ValueError("config key 'model.num_attention_heads' must be divisible by model.num_key_value_heads")
     elif "model_type" not in m.hf_config:
         raise ValueError("config key 'model.hf_config' needs a `model_type` (e.g. llama) when model.kind=hf")
-    _one_of("data.kind", d.kind, ("synthetic", "tokens", "text"))
+    _one_of("model.peft.method", m.peft.method, ("none", "lora"))
+    if m.peft.method != "none":
+        if m.kind != "hf":
+            raise ValueError("model.peft.method=lora needs a transformers model (model.kind=hf, e.g. model=hf_llama_tiny)")
+        _positive("model.peft.r", m.peft.r)
+        if not m.peft.target_modules:
+            raise ValueError("config key 'model.peft.target_modules' is empty; name the layers, e.g. [q_proj,v_proj]")
+    _one_of("data.kind", d.kind, ("synthetic", "tokens", "text", "hf"))
+    if d.kind == "hf":
+        if not d.files:
+            raise ValueError("data.kind=hf needs data.files=[path or glob, ...] (jsonl, json, parquet, csv or txt)")
+        if not d.tokenizer:
+            raise ValueError("data.kind=hf needs data.tokenizer=<folder of a Hugging Face tokenizer>")
+        _one_of("data.format", d.format, ("auto", "json", "parquet", "csv", "text"))
+        _one_of("data.overlong", d.overlong, ("truncate", "drop"))
+        _positive("data.num_proc", d.num_proc)
     _one_of("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
     if d.kind in ("tokens", "text") and not d.path:
         raise ValueError(f"config key 'data.path' must name a file when data.kind={d.kind}")

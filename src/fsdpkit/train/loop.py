@@ -42,10 +42,21 @@ def _raise_if_injected(step: int, rank: int) -> None:
         raise RuntimeError(f"injected failure at step {step} on rank {rank} ({RAISE_AT_ENV})")
 
 
+def masked_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of inputs [B, L] against targets [B, L]; targets of -100 are skipped."""
+    logits = model_logits(model, inputs)  # [B, L, V]
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
+
+
 def token_loss_sum(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy of batch [B, L+1] (inputs batch[:, :-1], targets batch[:, 1:])."""
-    logits = model_logits(model, batch[:, :-1])  # [B, L, V]
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+    return masked_loss_sum(model, batch[:, :-1], batch[:, 1:])
+
+
+def micro_batch_loss(model: nn.Module, data: Dataset, indices: list[int], *, device: torch.device) -> torch.Tensor:
+    """Summed loss of samples `indices` over their trained targets."""
+    inputs, targets = data.labeled_batch(indices)
+    return masked_loss_sum(model, inputs.to(device), targets.to(device))
 
 
 @dataclass
@@ -92,13 +103,15 @@ class Trainer:
         self._cursor_before = self.sampler.state_dict()
         global_batch = self.sampler.next_global_batch()
         micro = rank_micro_batches(global_batch, rank=rank, world_size=ws, micro_batch_size=self.micro_batch_size)
-        global_tokens = len(global_batch) * self.train_data.seq_len  # every sample has seq_len targets
+        # Trained targets in the whole global batch (every rank computes it from the data alone), so
+        # the loss means the same at any world size and micro-batch split.
+        global_tokens = max(1, self.train_data.target_count(global_batch))  # 1: a batch with nothing to train
         lr = self.scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, indices in enumerate(micro):
             # Only the last micro-batch reduce-scatters; earlier ones accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            loss = token_loss_sum(self.model, self.train_data.batch(indices).to(self.device))
+            loss = micro_batch_loss(self.model, self.train_data, indices, device=self.device)
             mem.mark(FORWARD)
             (loss / global_tokens).backward()
             mem.mark(BACKWARD)
@@ -152,18 +165,17 @@ class Trainer:
         chunks = eval_micro_batches(n, rank=dist.rank(), world_size=dist.world_size(), micro_batch_size=self.micro_batch_size)
         loss_sum, tokens = 0.0, 0
         for indices in chunks:
-            batch = self.val_data.batch(indices or [0]).to(self.device)
-            loss = token_loss_sum(self.model, batch)
+            loss = micro_batch_loss(self.model, self.val_data, indices or [0], device=self.device)
             if indices:  # an empty slot only keeps this rank in step with the others
                 loss_sum += float(loss)
-                tokens += len(indices) * self.val_data.seq_len
+                tokens += self.val_data.target_count(indices)
         # The root keeps its params unsharded after a forward with no backward: reshard so the
         # next step all-gathers the freshly updated shards.
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
         total, count = dist.all_reduce_sum([loss_sum, tokens], device=self.device)
-        return total / count
+        return total / max(count, 1)
 
     def fit(self, *, stop_at: int | None = None) -> dict[str, Any]:
         """Train until max_steps (or until step `stop_at`, as an interruption would), evaluating
