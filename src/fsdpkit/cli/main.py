@@ -99,7 +99,10 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
     except ChildFailedError as e:
         if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
             return _preempted(cfg, "a preemption signal reached the ranks", since=started)
-        print(f"fsdpkit train: {len(e.failures)} rank(s) failed; their tracebacks are above", file=sys.stderr)
+        from fsdpkit.cli.failures import describe_failures, rerun_takes
+
+        for line in [*describe_failures(e.failures, world_size=args.nproc), rerun_takes(cfg)]:
+            print(f"fsdpkit train: {line}", file=sys.stderr)
         return 1
     except SignalException as e:  # the launcher itself was signalled; it passed the signal to the ranks
         return _preempted(cfg, f"the launcher received {e.sigval.name}", since=started, otherwise=128 + e.sigval.value)

@@ -157,6 +157,9 @@ def validate(cfg: Config) -> None:
     _positive("train.stop_at", t.stop_at, allow_zero=True)
     _positive("train.eval_samples", t.eval_samples, allow_zero=True)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _positive("dist.heartbeat_s", cfg.dist.heartbeat_s, allow_zero=True)
+    _positive("dist.slow_step_factor", cfg.dist.slow_step_factor, allow_zero=True)
     ck = cfg.checkpoint
     _one_of("checkpoint.resume_mode", ck.resume_mode, ("full", "model_only"))
     _positive("checkpoint.every_steps", ck.every_steps, allow_zero=True)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdpkit import dist
+from fsdpkit import dist, watchdog
 from fsdpkit.checkpoint.manager import Checkpointer
 from fsdpkit.data import GlobalSampler, eval_micro_batches, rank_micro_batches
 from fsdpkit.data.datasets import Dataset
@@ -88,6 +88,8 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
+        step = self.state.step + 1
+        watchdog.doing(f"step {step}: forward/backward")
         mem = self.diagnostics.memory  # per-phase peaks of the first steps; no-ops afterwards
         mem.mark(BATCH_START)
         rank, ws = dist.rank(), dist.world_size()
@@ -106,6 +108,7 @@ class Trainer:
             mem.mark(BACKWARD)
             loss_sum += loss.detach()
         _raise_if_injected(self.state.step + 1, rank)
+        watchdog.doing(f"step {step}: grad clipping and optimizer update")
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # skips params without grads
         self.diagnostics.check_grad_norm(grad_norm, parameters=self.model.parameters(), max_norm=self.grad_clip)
         self._updating = True
@@ -118,6 +121,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # One all-reduce per step carries the loss and the flags every rank must agree on
         # (preemption, checkpoint cadence by time, a failed background save).
+        watchdog.doing(f"step {step}: end-of-step all-reduce")
         total, *self._agreed = dist.all_reduce_sum([float(loss_sum), *self._local_flags()], device=self.device)
         dt = time.perf_counter() - t0
         return {
@@ -151,6 +155,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Token-weighted loss over the first `eval_samples` held-out samples, the same samples at
         any world size. Every rank runs the same number of forwards (FSDP needs all ranks)."""
+        watchdog.doing(f"step {self.state.step}: evaluating")
         n = min(self.eval_samples, len(self.val_data))
         chunks = eval_micro_batches(n, rank=dist.rank(), world_size=dist.world_size(), micro_batch_size=self.micro_batch_size)
         loss_sum, tokens = 0.0, 0
@@ -178,6 +183,8 @@ class Trainer:
         val_loss = None
         try:
             while self.state.step < end:
+                if (wd := watchdog.current()) is not None:
+                    wd.step_started()
                 record = self.train_step()
                 preempted, *checkpoint_flags = self._agreed
                 self.diagnostics.after_step(last=self.state.step >= end)
@@ -187,8 +194,11 @@ class Trainer:
                     self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)
                 self.metrics.step(record, quiet=progress.active)
                 if self.checkpointer is not None:
+                    watchdog.doing(f"step {self.state.step}: checkpoint (save or commit)")
                     self.checkpointer.after_step(self.state.step, last=last, metrics=record, agreed=checkpoint_flags,
                                                  preempted=bool(preempted))
+                if (wd := watchdog.current()) is not None:
+                    wd.step_finished()
                 progress.update(self.state.step, f"loss {record['loss']:.4f}")
                 records.append(record)
                 if preempted:
@@ -198,8 +208,13 @@ class Trainer:
                                         self.stopped_by)
                     break
             if self.checkpointer is not None:
+                watchdog.doing("finishing: waiting for the background save")
                 self.checkpointer.finish()
         except Exception as e:
+            # One line that names the rank that stopped answering (if one did) and what every
+            # rank was doing; before on_exception, whose own wait may end the job first.
+            watchdog.doing(f"failed at step {self.state.step}: {type(e).__name__}")
+            watchdog.log_stuck_ranks(e)
             # A set-up mistake found by the diagnostics is no state worth saving.
             if self.checkpointer is not None and not isinstance(e, FSDPContractError):
                 self.checkpointer.on_exception(e, boundary_step=self.boundary_step())
