@@ -30,6 +30,7 @@ checkpoint error, before training.
 examples:
   fsdpkit train experiment=demo
   fsdpkit train --nproc 4 experiment=[demo,bf16] train.max_steps=20
+  fsdpkit train --nproc 2 --max-restarts 3 experiment=demo   # a failed rank: restart and resume
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m fsdpkit train model=llama_1b experiment=bf16
 """
@@ -41,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model", description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="launch N local ranks through torch's elastic launcher (torchrun --standalone)")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="with --nproc: when a rank fails, restart every rank up to K times; each restart "
+                        "resumes from the newest committed checkpoint (torchrun --max-restarts)")
     t.add_argument("--config-dir", action="append", default=[], metavar="DIR",
                    help="extra directory searched for config groups (your own experiment/*.yaml); repeatable")
     t.add_argument("overrides", nargs="*", help="Hydra overrides")
@@ -73,8 +77,12 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be at least 0, got {args.max_restarts}")
         check_world_size(cfg, args.nproc, local_world_size=args.nproc)
         return _launch_local(args, cfg)
+    if args.max_restarts:
+        raise ValueError("--max-restarts needs --nproc N (under torchrun, pass torchrun's own --max-restarts)")
     from fsdpkit.train.run import run
 
     summary = run(cfg)
@@ -92,6 +100,7 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
     preemption = [n if n.startswith("SIG") else f"SIG{n}" for n in cfg.checkpoint.preemption_signals]
     forwarded = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *preemption]))
     launcher_args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={args.nproc}",
+                                                  f"--max-restarts={args.max_restarts}",
                                                   f"--signals-to-handle={forwarded}", *child])
     started = datetime.now(UTC)
     try:
