@@ -5,8 +5,8 @@ of CASES (see the slot at the end)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import random
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -65,8 +65,10 @@ def _tail(job: Job, n: int = 300) -> str:
 
 
 def _committed_step(run: Path) -> int | None:
-    m = latest_manifest(run)
-    return None if m is None else m["step"]
+    """The step of the newest committed checkpoint (step_N or on_exception): what resume=auto takes."""
+    steps = [json.loads((d / "manifest.json").read_text())["step"] for d in ckpt_root(run).glob("*")
+             if (d / "manifest.json").is_file()] if ckpt_root(run).is_dir() else []
+    return max(steps, default=None)
 
 
 def _wait_in_save(job: Job, *, timeout: float = 120) -> bool:
@@ -203,7 +205,6 @@ def disk_full(where: str) -> Callable[[int, random.Random, Context], Outcome]:
         landed = _where_it_failed(run)
         if landed != where:
             out.detail = f"(the disk filled in the {landed}, not the {where})"
-        shutil.rmtree(run / "checkpoints" / "on_exception", ignore_errors=True)  # a full disk may leave none
         return _rerun_exact(ctx, run, out, expect_resume=committed)
     return case
 
@@ -286,7 +287,7 @@ def restart(trial: int, rng: random.Random, ctx: Context) -> Outcome:
         n = len(resumes(run))
         job.wait_for(lambda n=n: len(resumes(run)) > n, timeout=300)  # the restarted ranks resumed
     rc = job.finish(timeout=600)
-    out.restarts = job.stderr().count("will restart worker group")
+    out.restarts = job.stderr().count("resolved config (also in") - 1  # rank 0 logs it once per attempt
     out.case = f"elastic restart ({mode}, {where}, {kills} kill(s))"
     if rc != 0:
         return _fail(out, f"exit {rc} after killing rank(s) {victims}: {_tail(job)}")

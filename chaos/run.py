@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trial", type=int, default=None, help="with --only: run just this trial index")
     p.add_argument("--work-dir", default=None, help="where the runs go (default: a new temporary directory, "
                                                     "removed after a passing run)")
+    p.add_argument("--jobs", type=int, default=1, help="trials run at once (each is its own 2-rank job; default 1). "
+                                                      "Exit-time figures are measured under whatever load this makes")
     p.add_argument("--list", action="store_true", help="list the cases and their trial counts")
     args = p.parse_args(argv)
     selected = [c for c in cases(args.scale) if not args.only or c[0] in args.only]
@@ -46,24 +49,28 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     print(f"chaos: seed {args.seed}, scale {args.scale}, work dir {work}", flush=True)
     ctx = Context(work=work, reference=Reference.build(work / "reference"), seed=args.seed)
-    results: list[Outcome] = []
-    for name, n, case in selected:
-        for trial in range(n) if args.trial is None else [args.trial]:
-            rng = random.Random(zlib.crc32(f"{args.seed}/{name}/{trial}".encode()))
-            t = time.monotonic()
-            try:
-                out = case(trial, rng, ctx)
-            except Exception as e:  # noqa: BLE001 - a harness error is a failed trial, with its cause
-                out = Outcome(case=name, trial=trial, seed=args.seed, ok=False, detail=f"harness: {type(e).__name__}: {e}")
-            out.case = f"{name}: {out.case}" if not out.case.startswith(name) else out.case
-            results.append(out)
-            print(f"chaos: {'PASS' if out.ok else 'FAIL'} {name} #{trial} ({time.monotonic() - t:.0f} s) {out.detail}",
-                  flush=True)
+    trials = [(name, trial, case) for name, n, case in selected
+              for trial in (range(n) if args.trial is None else [args.trial])]
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(lambda t: run_trial(*t, ctx=ctx), trials))
     print(table(results, seed=args.seed, wall_s=time.monotonic() - t0))
     failed = [r for r in results if not r.ok]
     if not failed and args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
     return 1 if failed else 0
+
+
+def run_trial(name: str, trial: int, case, *, ctx: Context) -> Outcome:
+    """One trial; its faults depend only on the seed, the case's name and the trial index."""
+    rng = random.Random(zlib.crc32(f"{ctx.seed}/{name}/{trial}".encode()))
+    t = time.monotonic()
+    try:
+        out = case(trial, rng, ctx)
+    except Exception as e:  # noqa: BLE001 - a harness error is a failed trial, with its cause
+        out = Outcome(case=name, trial=trial, seed=ctx.seed, ok=False, detail=f"harness: {type(e).__name__}: {e}")
+    out.case = f"{name}: {out.case}"
+    print(f"chaos: {'PASS' if out.ok else 'FAIL'} {name} #{trial} ({time.monotonic() - t:.0f} s) {out.detail}", flush=True)
+    return out
 
 
 def table(results: list[Outcome], *, seed: int, wall_s: float) -> str:

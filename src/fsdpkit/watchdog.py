@@ -126,11 +126,14 @@ class Watchdog:
 
     def report(self, *, wait_s: float | None = None) -> tuple[list[int], str]:
         """(ranks that stopped answering, one line describing every rank). Reads the heartbeats,
-        waits two heartbeat intervals, reads again: a rank whose sequence did not move is stale."""
+        waits three heartbeat intervals, reads again: a rank whose sequence did not move is stale
+        (this rank never is: the caller may be its own heartbeat thread)."""
         first = self.read()
-        time.sleep(2 * self.interval_s if wait_s is None else wait_s)
+        time.sleep(3 * self.interval_s if wait_s is None else wait_s)
+        self._beat()
         second = self.read()
-        stale = [r for r in range(self.world_size) if r not in second or second[r]["seq"] == first.get(r, {}).get("seq")]
+        stale = [r for r in range(self.world_size)
+                 if r != self.rank and (r not in second or second[r]["seq"] == first.get(r, {}).get("seq"))]
         return stale, describe(second, stale=stale, world_size=self.world_size)
 
 
