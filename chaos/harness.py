@@ -95,11 +95,16 @@ class Job:
         self.finish(timeout=30)
 
     def gone_after(self, procs: list[psutil.Process], *, t_signal: float, timeout: float) -> float | None:
-        """Seconds from t_signal until every process in procs ended (None: still alive at timeout)."""
-        _, alive = psutil.wait_procs(procs, timeout=timeout)
-        if alive:
+        """Seconds from t_signal until every process in procs ended (None: one was alive at timeout).
+        The launcher is waited for through Popen (psutil would reap it and lose its exit code)."""
+        deadline = t_signal + timeout
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             return None
-        return time.monotonic() - t_signal
+        others = [p for p in procs if p.pid != self.proc.pid]
+        _, alive = psutil.wait_procs(others, timeout=max(0.0, deadline - time.monotonic()))
+        return None if alive else time.monotonic() - t_signal
 
     def finish(self, *, timeout: float = 600) -> int:
         try:

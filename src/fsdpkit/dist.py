@@ -126,8 +126,11 @@ def init_process_group(*, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) ->
 def start_watchdog(*, heartbeat_s: float, slow_step_factor: float) -> None:
     """Publish this rank's heartbeat in the process group's store (see fsdpkit.watchdog)."""
     if dist.is_initialized() and dist.get_world_size() > 1 and heartbeat_s > 0:
-        # Its own connection: a blocking store wait on the main thread must not hold up a beat.
+        # Its own connection: a blocking store wait on the main thread must not hold up a beat. A
+        # short timeout: when rank 0 hosts the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and is
+        # the stopped rank, the report gives up quickly instead of adding dist.timeout_s.
         store = dist.distributed_c10d._get_default_store().clone()
+        store.set_timeout(datetime.timedelta(seconds=max(5.0, 5 * heartbeat_s)))
         watchdog.start(store=store, rank=dist.get_rank(), world_size=dist.get_world_size(),
                        interval_s=heartbeat_s, slow_step_factor=slow_step_factor)
 

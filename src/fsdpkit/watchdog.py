@@ -199,7 +199,7 @@ def log_stuck_ranks(error: BaseException) -> list[int]:
         return []
     live = [r for r in range(_current.world_size) if r not in stale]
     if stale and live and live[0] == _current.rank:
-        log.error("%s failed: %s", type(error).__name__, line)
+        log.error("training stopped (%s): %s", type(error).__name__, line)
     elif not stale and _current.rank == 0:
         log.info("after %s: %s", type(error).__name__, line)
     return stale
