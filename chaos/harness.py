@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -167,11 +168,16 @@ class Reference:
 
     @classmethod
     def build(cls, run: Path) -> Reference:
-        job = Job(run, tag="ref")
-        rc = job.finish()
-        if rc != 0:
-            raise SystemExit(f"chaos: the uninterrupted reference run failed (exit {rc}); see {job.err_path}")
-        return cls(steps=steps_of(run), final_hashes=tensor_hashes(latest_manifest(run)))
+        """Run it, unless `run` already holds a finished reference (a --work-dir used again)."""
+        manifest = latest_manifest(run)
+        if manifest is None or manifest["step"] != MAX_STEPS or not (run / "summary.json").is_file():
+            shutil.rmtree(run, ignore_errors=True)
+            job = Job(run, tag="ref")
+            rc = job.finish()
+            if rc != 0:
+                raise SystemExit(f"chaos: the uninterrupted reference run failed (exit {rc}); see {job.err_path}")
+            manifest = latest_manifest(run)
+        return cls(steps=steps_of(run), final_hashes=tensor_hashes(manifest))
 
     def judge(self, run: Path) -> str:
         """'' when `run` ended bit-identical to the reference (every step's loss and grad norm, the

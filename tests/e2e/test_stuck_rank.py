@@ -11,6 +11,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from fsdpkit.train.metrics import read_records
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_preemption import latest, rank_process, start, wait_for_step  # noqa: E402
 
@@ -65,3 +67,18 @@ def test_launcher_names_the_killed_rank_and_the_checkpoint_a_rerun_takes(tmp_pat
     assert "no traceback" in message
     assert f"a rerun resumes from {run / 'checkpoints' / f'step_{step}'} (step {step})" in message, message
     assert "their tracebacks are above" not in err
+
+
+def test_max_restarts_restarts_a_killed_rank_and_the_job_resumes_and_finishes(tmp_path):
+    run = tmp_path / "run"
+    launcher = [sys.executable, "-m", "fsdpkit", "train", "--max-restarts", "1"]
+    proc = start(run, "checkpoint.async=false", "checkpoint.every_steps=3", "train.max_steps=16", launcher=launcher)
+    wait_for_step(proc, run, 7)
+    committed = latest(run)["step"]
+    rank_process(proc, 0).send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    events = read_records(run, events=True)
+    assert [e["step"] for e in events if e["event"] == "resume"] == [committed]
+    assert sorted({r["step"] for r in read_records(run)}) == list(range(1, 17))
+    assert latest(run)["step"] == 16
