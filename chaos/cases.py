@@ -193,9 +193,7 @@ def disk_full(where: str) -> Callable[[int, random.Random, Context], Outcome]:
                  f"mkdir -p {run}; cp -a {mnt}/ckpt {ckpt_root(run)} 2>/dev/null; exit $rc")
         job = Job(run, f"checkpoint.dir={mnt}/ckpt", "checkpoint.every_steps=2", *TIMEOUTS,
                   prefix=["unshare", "-m", "sh", "-c", inner, "sh"])
-        t0 = time.monotonic()
-        rc = job.finish(timeout=300)
-        out.exit_s.append(time.monotonic() - t0)
+        rc = job.finish(timeout=300)  # its time to exit is not timed: when the disk filled is not observed
         text = job.stderr()
         if rc == 0:
             return _fail(out, f"the job finished although its disk was full (tmpfs {size} bytes)")
