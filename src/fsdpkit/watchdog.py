@@ -187,6 +187,17 @@ def doing(what: str | None, *, slot: str = MAIN) -> None:
         _current.doing(what, slot=slot)
 
 
+def step_started() -> None:
+    """The loop began a step (the watchdog times steps to notice a stuck one)."""
+    if _current is not None:
+        _current.step_started()
+
+
+def step_finished() -> None:
+    if _current is not None:
+        _current.step_finished()
+
+
 def log_stuck_ranks(error: BaseException) -> list[int]:
     """After a failed collective: log one line naming the rank(s) that stopped answering and what
     every rank was doing. Logged by the lowest live rank only. Returns the stale ranks."""

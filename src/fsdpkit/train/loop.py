@@ -183,8 +183,7 @@ class Trainer:
         val_loss = None
         try:
             while self.state.step < end:
-                if (wd := watchdog.current()) is not None:
-                    wd.step_started()
+                watchdog.step_started()
                 record = self.train_step()
                 preempted, *checkpoint_flags = self._agreed
                 self.diagnostics.after_step(last=self.state.step >= end)
@@ -194,11 +193,10 @@ class Trainer:
                     self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)
                 self.metrics.step(record, quiet=progress.active)
                 if self.checkpointer is not None:
-                    watchdog.doing(f"step {self.state.step}: checkpoint (save or commit)")
+                    watchdog.doing(f"step {self.state.step}: checkpoint cadence (a save if one is due)")
                     self.checkpointer.after_step(self.state.step, last=last, metrics=record, agreed=checkpoint_flags,
                                                  preempted=bool(preempted))
-                if (wd := watchdog.current()) is not None:
-                    wd.step_finished()
+                watchdog.step_finished()
                 progress.update(self.state.step, f"loss {record['loss']:.4f}")
                 records.append(record)
                 if preempted:
