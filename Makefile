@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test multinode bench lint clean
+.PHONY: demo test multinode chaos bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/data.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff check src tests bench examples chaos
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Seeded fault injection (minutes to an hour; not part of `make test`). CHAOS_ARGS="--scale 0.1" for a quick run.
+chaos: $(STAMP)
+	$(BIN)/python chaos/run.py $(CHAOS_ARGS)

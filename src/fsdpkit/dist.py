@@ -21,7 +21,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("FSDPKIT_PG_TIMEOUT_S", "600"))
+from fsdpkit import watchdog
+
+DEFAULT_TIMEOUT_S = 600.0  # dist.timeout_s in the config
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 T = TypeVar("T")
 
@@ -84,15 +86,56 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store for this restart attempt's process group, when torch's launcher shares its own.
+
+    Under `torchrun --max-restarts` (c10d rendezvous, the default since torch 2.4) every attempt's
+    ranks connect to the SAME TCPStore, which the launcher hosts for its whole life, with no key
+    prefix ("We create a new TCPStore for every retry" says torch/distributed/rendezvous.py; the
+    rendezvous handler in fact caches one server, dynamic_rendezvous.py). The restarted ranks then
+    find the previous attempt's keys: gloo read the dead rank's old address ("Connection refused"
+    in connectFullMesh) or waited on a stale key (a hang in init). A prefix per attempt gives every
+    attempt fresh keys. The restart count agrees across ranks on one node; across nodes a healthy
+    node can restart without counting, so multi-node jobs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (a fresh store on a fresh port per rendezvous round: USE_AGENT_STORE is then False and this
+    returns None). Returns None outside torch's launcher or without a shared store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"fsdpkit/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_process_group(*, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Create the default process group from torchrun's environment, or a world of one."""
+    """Create the default process group from torchrun's environment, or a world of one.
+
+    `timeout_s` bounds the creation and every collective on the default group (dist.timeout_s).
+    """
     if dist.is_initialized():
         return
     die_with_launcher()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def start_watchdog(*, heartbeat_s: float, slow_step_factor: float) -> None:
+    """Publish this rank's heartbeat in the process group's store (see fsdpkit.watchdog)."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and heartbeat_s > 0:
+        # Its own connection: a blocking store wait on the main thread must not hold up a beat. A
+        # short timeout: when rank 0 hosts the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and is
+        # the stopped rank, the report gives up quickly instead of adding dist.timeout_s.
+        store = dist.distributed_c10d._get_default_store().clone()
+        store.set_timeout(datetime.timedelta(seconds=max(5.0, 5 * heartbeat_s)))
+        watchdog.start(store=store, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                       interval_s=heartbeat_s, slow_step_factor=slow_step_factor)
 
 
 def shutdown(*, barrier: bool = True) -> None:
@@ -102,6 +145,7 @@ def shutdown(*, barrier: bool = True) -> None:
     removed the `terminate called without an active exception` abort seen at teardown. After a
     failure pass barrier=False: a peer may be dead or blocked in another collective.
     """
+    watchdog.stop()
     gc.collect()
     if dist.is_initialized():
         if barrier:

@@ -174,6 +174,9 @@ def validate(cfg: Config) -> None:
     _positive("train.stop_at", t.stop_at, allow_zero=True)
     _positive("train.eval_samples", t.eval_samples, allow_zero=True)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _positive("dist.heartbeat_s", cfg.dist.heartbeat_s, allow_zero=True)
+    _positive("dist.slow_step_factor", cfg.dist.slow_step_factor, allow_zero=True)
     validate_checkpoint(cfg.checkpoint, state_dict_type=s.state_dict_type)
     _positive("diagnostics.memory_steps", cfg.diagnostics.memory_steps, allow_zero=True)
     if cfg.diagnostics.skew_warn_ratio < 1:

@@ -229,6 +229,25 @@ class TrainConfig:
 
 
 @dataclass
+class DistConfig:
+    """The process group and the bounds on waiting for other ranks."""
+
+    timeout_s: float = 600.0
+    """Bound on every training collective (the default process group: the step's gradient
+    reductions and all-reduce, evaluation, set-up) and on creating the process group: a dead or
+    stopped rank fails the collective on every other rank after this long instead of hanging it.
+    Saves and loads have checkpoint.timeout_s, the on_exception vote checkpoint.exception_timeout_s;
+    a job with a stopped rank ends within the largest wait in flight plus the launcher's 30 s grace."""
+    heartbeat_s: float = 1.0
+    """Each rank publishes what it is doing (step, phase, background save) to the launcher's store
+    this often; when a collective fails, the report names the rank whose heartbeat stopped. 0: off."""
+    slow_step_factor: float = 10.0
+    """The watchdog warns when the current step has taken this many times the median of the recent
+    steps (and at least 30 s) AND some rank's heartbeat stopped; a slow step on live ranks is not
+    reported. 0: no watchdog warnings (heartbeats stay on)."""
+
+
+@dataclass
 class CheckpointConfig:
     """When and how to save, and what to resume from."""
 
@@ -358,6 +377,8 @@ class Config:
     """Process-group backend: `auto` (NCCL on CUDA, gloo on CPU), `gloo` or `nccl`."""
     log_level: str = "INFO"
     """Log level of rank 0 (other ranks log warnings only)."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Process group timeouts, heartbeats and the stuck-rank watchdog."""
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     """FSDP sharding strategy (model-agnostic)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdpkit import dist
+from fsdpkit import dist, watchdog
 from fsdpkit.checkpoint.manager import Checkpointer
 from fsdpkit.data import GlobalSampler, eval_micro_batches, rank_micro_batches
 from fsdpkit.data.datasets import Dataset
@@ -97,6 +97,8 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
+        step = self.state.step + 1
+        watchdog.doing(f"step {step}: forward/backward")
         mem = self.diagnostics.memory  # per-phase peaks of the first steps; no-ops afterwards
         mem.mark(BATCH_START)
         rank, ws = dist.rank(), dist.world_size()
@@ -117,6 +119,7 @@ class Trainer:
             mem.mark(BACKWARD)
             loss_sum += loss.detach()
         _raise_if_injected(self.state.step + 1, rank)
+        watchdog.doing(f"step {step}: grad clipping and optimizer update")
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # skips params without grads
         self.diagnostics.check_grad_norm(grad_norm, parameters=self.model.parameters(), max_norm=self.grad_clip)
         self._updating = True
@@ -129,6 +132,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # One all-reduce per step carries the loss and the flags every rank must agree on
         # (preemption, checkpoint cadence by time, a failed background save: Checkpointer.local_flags).
+        watchdog.doing(f"step {step}: end-of-step all-reduce")
         total, *self._agreed = dist.all_reduce_sum([float(loss_sum), *self._local_flags()], device=self.device)
         dt = time.perf_counter() - t0
         return {
@@ -161,6 +165,7 @@ class Trainer:
     def evaluate(self) -> float:
         """Token-weighted loss over the first `eval_samples` held-out samples, the same samples at
         any world size. Every rank runs the same number of forwards (FSDP needs all ranks)."""
+        watchdog.doing(f"step {self.state.step}: evaluating")
         n = min(self.eval_samples, len(self.val_data))
         chunks = eval_micro_batches(n, rank=dist.rank(), world_size=dist.world_size(), micro_batch_size=self.micro_batch_size)
         loss_sum, tokens = 0.0, 0
@@ -187,6 +192,7 @@ class Trainer:
         val_loss = None
         try:
             while self.state.step < end:
+                watchdog.step_started()
                 record = self.train_step()
                 self.diagnostics.after_step(last=self.state.step >= end)
                 last = self.state.step == self.max_steps  # not at stop_at: an interruption is not the end
@@ -194,8 +200,11 @@ class Trainer:
                     val_loss = record["val_loss"] = self.evaluate()
                     self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)
                 self.metrics.step(record, quiet=progress.active)
+                if self.checkpointer is not None:
+                    watchdog.doing(f"step {self.state.step}: checkpoint cadence (a save if one is due)")
                 preempted = self.checkpointer is not None and self.checkpointer.step(
                     self.state.step, metrics=record, last=last, agreed=self._agreed)
+                watchdog.step_finished()
                 progress.update(self.state.step, f"loss {record['loss']:.4f}")
                 records.append(record)
                 if preempted:
@@ -205,8 +214,13 @@ class Trainer:
                                         self.stopped_by)
                     break
             if self.checkpointer is not None:
+                watchdog.doing("finishing: waiting for the background save")
                 self.checkpointer.close()  # waits for the last save
         except Exception as e:
+            # One line that names the rank that stopped answering (if one did) and what every
+            # rank was doing; before on_exception, whose own wait may end the job first.
+            watchdog.doing(f"failed at step {self.state.step}: {type(e).__name__}")
+            watchdog.log_stuck_ranks(e)
             # A set-up mistake found by the diagnostics is no state worth saving.
             if self.checkpointer is not None and not isinstance(e, FSDPContractError):
                 self.checkpointer.on_exception(e, boundary_step=self.boundary_step())

@@ -130,8 +130,9 @@ def run(cfg: Config) -> dict[str, Any]:
     device = dist.pick_device(cfg.device)
     if cfg.deterministic:
         enable_determinism()
-    dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type))
+    dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type), timeout_s=cfg.dist.timeout_s)
     setup_logging(cfg.log_level)
+    dist.start_watchdog(heartbeat_s=cfg.dist.heartbeat_s, slow_step_factor=cfg.dist.slow_step_factor)
     trainer, failed, found = None, True, None
     peers = dist.new_peer_group(timeout_s=cfg.checkpoint.exception_timeout_s)
     try:
