@@ -126,7 +126,7 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
 
         if {f.exitcode for f in e.failures.values()} == {2} and len(e.failures) == args.nproc:
             # every rank stopped on a clear error (a setting, a path, a checkpoint), printed above
-            print(f"fsdpkit train: every rank stopped with the error above; {rerun_takes(cfg)}", file=sys.stderr)
+            print("fsdpkit train: every rank stopped with the error above (exit 2)", file=sys.stderr)
             return 2
 
         for line in [*describe_failures(e.failures, world_size=args.nproc), rerun_takes(cfg)]:
