@@ -257,6 +257,54 @@ def corrupt(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
     return case
 
 
+# -- issue 10's corruption fuzz and misuse, end to end through `fsdpkit train` -----------------------
+def fuzz(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
+    """One mutation of tests/fuzz/corruption.py (every file kind: bit flips, digit and valid-JSON edits
+    of the manifest, truncations, deletions, wrong-shaped JSON, junk `latest`) applied to the newest
+    checkpoint of a stopped run; the rerun must skip it, resume from the one before (or, for `latest`,
+    which resolution does not trust, from the newest) and end bit-identical."""
+    def case(trial: int, rng: random.Random, ctx: Context) -> Outcome:
+        from corruption import MUTATIONS  # tests/fuzz, on the path (see run.py)
+
+        run = ctx.work / f"fuzz_{kind.replace(' ', '_')}_{trial}"
+        out = Outcome(case=f"fuzz: {kind}", trial=trial, seed=ctx.seed, ok=True)
+        stop = rng.choice(range(4, MAX_STEPS - 2, 2))
+        job = Job(run, f"train.stop_at={stop}")
+        if (rc := job.finish()) != 0:
+            return _fail(out, f"the first run exited {rc}: {_tail(job)}")
+        what = MUTATIONS[kind](rng, ckpt_root(run) / f"step_{stop}", ckpt_root(run))
+        out.detail = what
+        done = _rerun_exact(ctx, run, out, expect_resume=stop if kind == "junk latest" else stop - 2)
+        if done.ok and kind != "junk latest" and kind != "manifest deleted":
+            if not list(ckpt_root(run).glob(f"step_{stop}.corrupt-*")):
+                return _fail(out, f"{what}: the damaged step_{stop} was not moved aside")
+        return done
+    return case
+
+
+def reuse_dir(trial: int, rng: random.Random, ctx: Context) -> Outcome:
+    """A new run over a finished run's directory: refused (exit 2, nothing touched); with
+    checkpoint.existing=archive the old checkpoints move to archive/ intact and the new run trains."""
+    run = ctx.work / f"reuse_{trial}"
+    out = Outcome(case="misuse: a new run reuses a directory", trial=trial, seed=ctx.seed, ok=True)
+    first = Job(run, "train.stop_at=6")
+    if (rc := first.finish()) != 0:
+        return _fail(out, f"the first run exited {rc}: {_tail(first)}")
+    before = sorted(p.name for p in ckpt_root(run).iterdir())
+    refused = Job(run, "checkpoint.resume=none", tag="refused")
+    if (rc := refused.finish()) != 2 or "holds committed checkpoints of another run" not in refused.stderr():
+        return _fail(out, f"a new run over another run's checkpoints exited {rc}: {_tail(refused)}")
+    if sorted(p.name for p in ckpt_root(run).iterdir()) != before:
+        return _fail(out, "the refused run changed the checkpoint directory")
+    archived = Job(run, "checkpoint.resume=none", "checkpoint.existing=archive", tag="archived")
+    if (rc := archived.finish()) != 0:
+        return _fail(out, f"checkpoint.existing=archive exited {rc}: {_tail(archived)}")
+    kept = sorted(p.name for p in (ckpt_root(run) / "archive").glob("*/step_*"))
+    if kept != sorted(n for n in before if n.startswith("step_")):
+        return _fail(out, f"archive holds {kept}, expected {before}")
+    return out
+
+
 # -- elastic restarts: `fsdpkit train --nproc 2 --max-restarts 2`, one rank SIGKILLed 1-2 times ----
 def restart(trial: int, rng: random.Random, ctx: Context) -> Outcome:
     mode = rng.choice(["sync", "async"])
@@ -318,6 +366,10 @@ def cases(scale: float) -> list[tuple[str, int, Case]]:
         out.append((f"disk-full-{where}", 1, disk_full(where)))
     for kind in ("bitflip", "truncate"):
         out.append((f"corrupt-{kind}", 1, corrupt(kind)))
-    # Slot: issue 10's corruption fuzz and misuse cases go here, as (name, trials, case) entries.
+    from corruption import MUTATIONS  # tests/fuzz (run.py puts it on the path)
+
+    for kind in MUTATIONS:  # issue 10's corruption fuzz, end to end
+        out.append((f"fuzz-{kind.replace(' ', '-')}", n(2), fuzz(kind)))
+    out.append(("misuse-reuse-dir", 1, reuse_dir))
     out.append(("elastic-restart", n(20), restart))
     return out

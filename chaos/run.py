@@ -3,7 +3,8 @@
 Every case runs real jobs (launcher + 2 gloo ranks), hurts them (SIGKILL of the whole job, one rank
 killed or stopped, preemption signals, a full disk, corrupted shards, elastic restarts), then runs
 the same command again and checks that it resumes from a committed checkpoint and ends
-bit-identical to an uninterrupted run. Prints one table; exits 1 on any failure. A trial's faults
+bit-identical to an uninterrupted run. Issue 10's corruption fuzz (one mutation of every kind in
+tests/fuzz/corruption.py per trial) and a directory-reuse misuse run end to end the same way. Prints one table; exits 1 on any failure. A trial's faults
 depend only on --seed, the case and the trial index: `--only CASE --trial N` re-runs one.
 """
 
@@ -21,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fuzz"))  # the corruption fuzz's mutations
 from cases import Context, cases  # noqa: E402
 from harness import Outcome, Reference  # noqa: E402
 
