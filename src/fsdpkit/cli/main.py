@@ -7,6 +7,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 import traceback
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +21,7 @@ from fsdpkit.cli import plot as plot_cli
 if TYPE_CHECKING:
     from fsdpkit.config import Config
 
+ECHO_GRACE_S = 3.0  # how long other ranks wait before exiting on an error rank 0 reports
 TRAIN_HELP = """\
 Train with FSDP2. Overrides use Hydra syntax: key=value, +key=value (add), ++key=value (add or
 override), ~key (delete: the schema default applies), experiment=[a,b] (compose experiment files
@@ -124,11 +126,12 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
             return _preempted(cfg, "a preemption signal reached the ranks", since=started)
         from fsdpkit.cli.failures import describe_failures, rerun_takes
 
-        if {f.exitcode for f in e.failures.values()} == {2} and len(e.failures) == args.nproc:
-            # every rank stopped on a clear error (a setting, a path, a checkpoint), printed above
-            print("fsdpkit train: every rank stopped with the error above (exit 2)", file=sys.stderr)
+        first_rank, first = min(e.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+        if first.exitcode == 2:
+            # a clear error (a setting, a path, a checkpoint), printed above; the others stopped on it too
+            # or were stopped by the launcher
+            print(f"fsdpkit train: rank {first_rank} stopped with the error above (exit 2)", file=sys.stderr)
             return 2
-
         for line in [*describe_failures(e.failures, world_size=args.nproc), rerun_takes(cfg)]:
             print(f"fsdpkit train: {line}", file=sys.stderr)
         return 1
@@ -209,6 +212,10 @@ def _main(argv: list[str] | None) -> int:
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         if not getattr(e, "echoed", False):  # rank 0 reports an error that every rank raised (dist.on_main)
             print(f"fsdpkit {args.command}: error: {e}", file=sys.stderr)
+        elif under_launcher:
+            # Let rank 0 print and exit first: the launcher stops every rank at the first exit it sees,
+            # and a rank 0 stopped mid-print would leave the user with no message at all.
+            time.sleep(ECHO_GRACE_S)
         code = 2
     except Exception:
         if not under_launcher:
