@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION
-from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION
+from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, write_manifest
 from fsdpkit.checkpoint.retention import Committed, RetentionPolicy, apply_retention, to_keep
 
 
@@ -35,7 +35,9 @@ def _commit(root: Path, step: int, **metrics: float) -> None:
     d = root / f"step_{step}"
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(b"x")
-    (d / MANIFEST).write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "step": step, "metrics": metrics}))
+    write_manifest(d, {"format": FORMAT, "format_version": FORMAT_VERSION, "run_id": "r", "step": step,
+                       "world_size": 1, "state_dict_type": "sharded", "fingerprint": {"tensors": {}},
+                       "trainer": {}, "tensors": {}, "files": {}, "metrics": metrics})
 
 
 def test_apply_deletes_only_committed_checkpoints_outside_the_policy(tmp_path):
