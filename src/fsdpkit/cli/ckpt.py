@@ -178,6 +178,8 @@ def _verify(args: argparse.Namespace) -> int:
         _print_json(report)
     else:
         checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in report["checked"].items())
+        for note in report["notes"]:
+            print(note)
         print(f"{report['path']} ({report['kind']}): checksums {report['checksums']}; checked {checked or 'nothing'}")
         for problem in report["problems"]:
             print(f"  BAD: {problem}")

@@ -12,7 +12,13 @@ import torch
 
 from fsdpkit.checkpoint.errors import CheckpointMismatchError
 from fsdpkit.export.hf_config import is_tied
-from fsdpkit.export.keys import LEADING_WRAPPERS, WRAPPER_COMPONENTS, model_weights, split_namespace
+from fsdpkit.export.keys import (
+    LEADING_WRAPPERS,
+    WRAPPER_COMPONENTS,
+    is_non_model_namespace,
+    model_weights,
+    split_namespace,
+)
 from fsdpkit.export.model_config import ModelConfig, detect_prefix
 from fsdpkit.export.sources import OpenedCheckpoint, iter_row_blocks
 
@@ -48,7 +54,7 @@ def plan_names(opened: OpenedCheckpoint, *, namespace: str | None, strip_prefixe
     if wrappers := _wrapper_note(list(names.values()), opened):
         plan.notes.append(wrappers)
     expected = set(model_config.shapes) if model_config is not None and model_config.shapes is not None else None
-    if not strip_prefixes and not add_prefix:
+    if not strip_prefixes and not add_prefix and not (namespace and is_non_model_namespace(namespace)):
         prefix = detect_prefix(list(names), expected)
         if prefix:
             plan.names = {name[len(prefix):]: key for name, key in names.items()}
