@@ -1,0 +1,53 @@
+"""The Checkpointer inside other frameworks' FSDP2 recipes, run as users run them: the Accelerate
+script (examples/accelerate_fsdp2.py) under torchrun on CPU/gloo, resumed elastically 2 -> 3 from
+its step-2 checkpoint, and exported with --config into a folder transformers loads with the live
+model's logits."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import ROOT, torchrun  # noqa: E402
+from fsdpkit.checkpoint.manifest import read_manifest  # noqa: E402
+from fsdpkit.cli.main import main  # noqa: E402
+
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def test_accelerate_fsdp2_script_resumes_elastically_and_exports(tmp_path, capsys):
+    pytest.importorskip("accelerate")
+    from transformers import AutoModelForCausalLM
+
+    script = ROOT / "examples" / "accelerate_fsdp2.py"
+    common = ["--steps", "4", "--save-every", "2"]
+    torchrun(2, script, "--ckpt-dir", str(tmp_path / "a"), "--hf-config", str(tmp_path / "hf"),
+             "--out", str(tmp_path / "a.json"), *common)
+    first = json.loads((tmp_path / "a.json").read_text())
+    assert first["resumed"] is None and first["world_size"] == 2 and sorted(map(int, first["losses"])) == [1, 2, 3, 4]
+    assert first["sharding"] == {"fsdp_units": first["sharding"]["fsdp_units"], "all_dtensor": True}
+    assert first["sharding"]["fsdp_units"] >= 3  # Accelerate applied fully_shard per decoder layer and the root
+    manifest = read_manifest(tmp_path / "a" / "step_2")
+    assert manifest["world_size"] == 2 and manifest["trainer"]["data"] == {"position": 12}
+
+    torchrun(3, script, "--ckpt-dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "step_2"),
+             "--out", str(tmp_path / "b.json"), *common)
+    second = json.loads((tmp_path / "b.json").read_text())
+    assert (second["resumed"]["step"], second["resumed"]["saved_world_size"], second["world_size"]) == (2, 2, 3)
+    assert sorted(map(int, second["losses"])) == [3, 4]
+    for step, loss in second["losses"].items():
+        assert abs(loss - first["losses"][step]) <= 1e-6 * abs(loss), step
+    assert read_manifest(tmp_path / "b" / "step_4")["world_size"] == 3
+
+    code = main(["ckpt", "export", str(tmp_path / "a"), str(tmp_path / "out"), "--config", str(tmp_path / "hf")])
+    assert code == 0, capsys.readouterr().err
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
+    with torch.no_grad():
+        logits = loaded.eval()(input_ids=torch.arange(12).reshape(1, 12)).logits
+    torch.testing.assert_close(logits, torch.tensor(first["probe"]), rtol=1e-5, atol=1e-5)
