@@ -1,7 +1,7 @@
-"""The Checkpointer inside other frameworks' FSDP2 recipes, run as users run them: the Accelerate
-script (examples/accelerate_fsdp2.py) under torchrun on CPU/gloo, resumed elastically 2 -> 3 from
-its step-2 checkpoint, and exported with --config into a folder transformers loads with the live
-model's logits."""
+"""The Checkpointer inside other frameworks' FSDP2 recipes, run as users run them (CPU/gloo): the Accelerate
+script (examples/accelerate_fsdp2.py) and the Lightning ModelParallelStrategy module
+(examples/lightning_fsdp2.py), each resumed elastically 2 -> 3 from its step-2 checkpoint and
+exported with --config into a folder transformers loads (Accelerate: with the live model's logits)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,32 @@ def test_accelerate_fsdp2_script_resumes_elastically_and_exports(tmp_path, capsy
     with torch.no_grad():
         logits = loaded.eval()(input_ids=torch.arange(12).reshape(1, 12)).logits
     torch.testing.assert_close(logits, torch.tensor(first["probe"]), rtol=1e-5, atol=1e-5)
+
+
+def test_lightning_model_parallel_module_resumes_elastically_and_exports(tmp_path, capsys):
+    pytest.importorskip("lightning")
+    from transformers import AutoModelForCausalLM
+
+    script = ROOT / "examples" / "lightning_fsdp2.py"
+    common = ["--steps", "4", "--save-every", "2"]
+    torchrun(2, script, "--ckpt-dir", str(tmp_path / "a"), "--hf-config", str(tmp_path / "hf"),
+             "--out", str(tmp_path / "a.json"), *common)
+    first = json.loads((tmp_path / "a.json").read_text())
+    assert (first["resumed_step"], first["global_step"], first["world_size"]) == (0, 4, 2)
+    assert first["sharding"] == {"fsdp_units": 3, "dtensor_layers": True}  # configure_model's fully_shard
+    manifest = read_manifest(tmp_path / "a" / "step_2")
+    assert manifest["world_size"] == 2 and manifest["trainer"]["data"] == {"position": 12}
+    assert "model.embed_tokens.weight" in manifest["fingerprint"]["tensors"]  # the HF model's own names
+
+    torchrun(3, script, "--ckpt-dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "step_2"),
+             "--out", str(tmp_path / "b.json"), *common)
+    second = json.loads((tmp_path / "b.json").read_text())
+    assert (second["resumed_step"], second["global_step"], second["world_size"]) == (2, 4, 3)
+    assert sorted(map(int, second["losses"])) == [3, 4]
+    for step, loss in second["losses"].items():
+        assert abs(loss - first["losses"][step]) <= 1e-6 * abs(loss), step
+
+    code = main(["ckpt", "export", str(tmp_path / "a"), str(tmp_path / "out"), "--config", str(tmp_path / "hf")])
+    assert code == 0, capsys.readouterr().err
+    _, info = AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    assert (info["missing_keys"], info["unexpected_keys"]) == (set(), set())
