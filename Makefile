@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test multinode chaos bench lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -19,13 +19,23 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest tests
 
+# Simulated nodes: several torchrun launchers on loopback; a node killed mid-step and mid-save;
+# resume across meshes through the CLI (minutes; not part of `make test`).
+multinode: $(STAMP)
+	$(BIN)/python -m pytest tests/multinode -m multinode -v -s
+
 bench: $(STAMP)
 	$(BIN)/python bench/overhead.py
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/export.py
+	$(BIN)/python bench/data.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench examples
+	$(BIN)/ruff check src tests bench examples chaos
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# Seeded fault injection (minutes to an hour; not part of `make test`). CHAOS_ARGS="--scale 0.1" for a quick run.
+chaos: $(STAMP)
+	$(BIN)/python chaos/run.py $(CHAOS_ARGS)

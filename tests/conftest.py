@@ -40,3 +40,19 @@ def training_results(tmp_path_factory) -> dict[int, dict]:
         torchrun(ws, ROOT / "tests" / "multirank" / "train_worker.py", str(path), str(out / f"runs{ws}"))
         results[ws] = json.loads(path.read_text())
     return results
+
+
+EXAMPLE_DATA = ROOT / "examples" / "finetune" / "data"
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer_dir(tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer (with a chat template) trained on the example's data, saved as a
+    transformers folder: what a user passes as data.tokenizer (no download)."""
+    from fsdpkit.data.tokenizer import train_bpe_tokenizer
+
+    texts = [json.loads(line)["text"] for line in open(EXAMPLE_DATA / "text.jsonl")]
+    texts += [m["content"] for line in open(EXAMPLE_DATA / "chat.jsonl") for m in json.loads(line)["messages"]]
+    out = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(texts, vocab_size=512, out_dir=out)
+    return out

@@ -14,13 +14,16 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT_S = float(os.environ.get("FSDPKIT_PG_TIMEOUT_S", "600"))
+from fsdpkit import watchdog
+
+DEFAULT_TIMEOUT_S = 600.0  # dist.timeout_s in the config
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 T = TypeVar("T")
 
@@ -83,15 +86,56 @@ def die_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """The store for this restart attempt's process group, when torch's launcher shares its own.
+
+    Under `torchrun --max-restarts` (c10d rendezvous, the default since torch 2.4) every attempt's
+    ranks connect to the SAME TCPStore, which the launcher hosts for its whole life, with no key
+    prefix ("We create a new TCPStore for every retry" says torch/distributed/rendezvous.py; the
+    rendezvous handler in fact caches one server, dynamic_rendezvous.py). The restarted ranks then
+    find the previous attempt's keys: gloo read the dead rank's old address ("Connection refused"
+    in connectFullMesh) or waited on a stale key (a hang in init). A prefix per attempt gives every
+    attempt fresh keys. The restart count agrees across ranks on one node; across nodes a healthy
+    node can restart without counting, so multi-node jobs set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    (a fresh store on a fresh port per rendezvous round: USE_AGENT_STORE is then False and this
+    returns None). Returns None outside torch's launcher or without a shared store.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"fsdpkit/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_process_group(*, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-    """Create the default process group from torchrun's environment, or a world of one."""
+    """Create the default process group from torchrun's environment, or a world of one.
+
+    `timeout_s` bounds the creation and every collective on the default group (dist.timeout_s).
+    """
     if dist.is_initialized():
         return
     die_with_launcher()
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = attempt_store(timeout)
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend=backend, timeout=timeout, store=store, rank=int(os.environ["RANK"]),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+
+
+def start_watchdog(*, heartbeat_s: float, slow_step_factor: float) -> None:
+    """Publish this rank's heartbeat in the process group's store (see fsdpkit.watchdog)."""
+    if dist.is_initialized() and dist.get_world_size() > 1 and heartbeat_s > 0:
+        # Its own connection: a blocking store wait on the main thread must not hold up a beat. A
+        # short timeout: when rank 0 hosts the store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) and is
+        # the stopped rank, the report gives up quickly instead of adding dist.timeout_s.
+        store = dist.distributed_c10d._get_default_store().clone()
+        store.set_timeout(datetime.timedelta(seconds=max(5.0, 5 * heartbeat_s)))
+        watchdog.start(store=store, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                       interval_s=heartbeat_s, slow_step_factor=slow_step_factor)
 
 
 def shutdown(*, barrier: bool = True) -> None:
@@ -101,6 +145,7 @@ def shutdown(*, barrier: bool = True) -> None:
     removed the `terminate called without an active exception` abort seen at teardown. After a
     failure pass barrier=False: a peer may be dead or blocked in another collective.
     """
+    watchdog.stop()
     gc.collect()
     if dist.is_initialized():
         if barrier:
@@ -152,3 +197,49 @@ def on_main(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None,
 def echoed(error: BaseException) -> bool:
     """True for an error raised by `on_main` on a rank other than the one that reports it."""
     return bool(getattr(error, "echoed", False))
+
+
+def new_peer_group(*, timeout_s: float) -> dist.ProcessGroup | None:
+    """A gloo group kept for `unresponsive_ranks` alone, so that it is idle (and intact) when a
+    training or checkpoint collective fails. Collective: every rank creates it at the same point."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def lost_a_peer(error: BaseException | None) -> bool:
+    """Whether `error`, or an error that caused it, is a failed collective (a peer that died or
+    stalled) rather than a failure of this rank's own."""
+    while error is not None:
+        if isinstance(error, dist.DistError) or "gloo/transport" in str(error) or "Timed out waiting" in str(error):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
+def unresponsive_ranks(group: dist.ProcessGroup | None, *, timeout_s: float) -> list[int]:
+    """After a failed collective: the ranks that do not exchange a token with this rank within
+    `timeout_s` (their process or node died, or they are stuck elsewhere). Point-to-point with every
+    peer, so it needs no coordinating rank: a lost rank 0 is found like any other. Every surviving
+    rank calls it; a peer that did not is reported too."""
+    if group is None:
+        return []
+    me = dist.get_rank()
+    token = torch.tensor([me], dtype=torch.int64)
+    lost: set[int] = set()
+    pending = []
+    for peer in (r for r in range(dist.get_world_size()) if r != me):
+        try:
+            pending.append((peer, dist.isend(token, peer, group=group),
+                            dist.irecv(torch.empty(1, dtype=torch.int64), peer, group=group)))
+        except RuntimeError:  # the connection to that peer is already known to be broken
+            lost.add(peer)
+    deadline = time.monotonic() + timeout_s
+    for peer, *works in pending:
+        for work in works:
+            try:
+                work.wait(datetime.timedelta(seconds=max(0.01, deadline - time.monotonic())))
+            except RuntimeError:
+                lost.add(peer)
+                break
+    return sorted(lost)

@@ -46,6 +46,7 @@ def test_rank_killed_mid_save_keeps_latest_and_auto_resume_is_exact(uninterrupte
     killed = subprocess.run([sys.executable, "-m", "fsdpkit", "train", *ARGS, *extra, f"run_dir={run}"],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert killed.returncode != 0
+    assert "rank0 ERROR] lost rank(s) 1: no answer" in killed.stderr  # the survivor names the rank it lost
     if mode == "async":  # rank 1 died in the background write of step 8, while training ran on
         assert "checkpoint step_4 (async" in killed.stderr
     ckpts = run / "checkpoints"

@@ -87,7 +87,11 @@ def test_a_corrupt_newest_checkpoint_is_moved_aside_and_its_step_saved_again(tmp
 def test_unusable_directories_stop_before_the_first_step(tmp_path):
     a_file = tmp_path / "a_file"
     a_file.write_text("mine, not fsdpkit's\n")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine\n")
     cases = [
+        ([f"run_dir={tmp_path / 'run'}", "export.on_finish=true", f"export.dir={tmp_path / 'mine'}"],
+         f"export.dir={tmp_path / 'mine'} (export.on_finish): refusing to replace"),
         ([f"run_dir={a_file}"], f"run_dir={a_file} is an existing file, not a directory"),
         ([f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={a_file / 'ckpts'}"],
          f"checkpoint.dir={a_file / 'ckpts'} cannot be written: Not a directory"),
@@ -101,9 +105,9 @@ def test_unusable_directories_stop_before_the_first_step(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            "-m", "fsdpkit", "train", "train.max_steps=1", f"run_dir={a_file}"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode != 0 and proc.stderr.count(cases[0][1]) == 1
+    assert proc.returncode != 0 and proc.stderr.count(cases[1][1]) == 1
     assert "fsdpkit/" not in proc.stderr.replace(str(tmp_path), "")  # torchrun's own traceback only, no rank's
-    assert a_file.read_text() == "mine, not fsdpkit's\n"
+    assert a_file.read_text() == "mine, not fsdpkit's\n" and (tmp_path / "mine" / "notes.txt").is_file()
 
 
 def test_a_full_disk_at_the_manifest_fails_the_save_on_every_rank_at_once(tmp_path):

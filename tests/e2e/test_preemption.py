@@ -25,8 +25,9 @@ ARGS = ["--nproc", "2", "experiment=demo", "deterministic=true", "train.max_step
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def start(run: Path, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "fsdpkit", "train", *ARGS, *extra, f"run_dir={run}"],
+def start(run: Path, *extra: str, env: dict | None = None, launcher: list[str] | None = None) -> subprocess.Popen:
+    launcher = launcher or [sys.executable, "-m", "fsdpkit", "train"]
+    return subprocess.Popen([*launcher, *ARGS, *extra, f"run_dir={run}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env or ENV, cwd=ROOT)
 
 

@@ -6,6 +6,10 @@ Phases (run in this order by the tests, sharing WORK_DIR):
   ws4: loads the 2-rank checkpoint (2->4); saves a 4-rank checkpoint
   ws3: loads the 4-rank (4->3) and 2-rank (2->3) checkpoints
   ws2b: loads the 4-rank checkpoint (4->2)
+  ws4b: the last hop across meshes (see phase_meshes)
+Across meshes (sharding strategies): HSDP 2x2 saved on 4 ranks resumes under FULL_SHARD on 3 (ws3)
+and NO_SHARD on 2 (ws2b), whose checkpoint resumes back under HSDP 2x2 (ws4b); FULL_SHARD on 4
+resumes under HSDP 2x2 (ws4).
 Every elastic load compares the restored full state with what was saved, bit for bit, and the
 losses that follow with the uninterrupted run.
 """
@@ -34,6 +38,8 @@ BASE = ["deterministic=true", f"train.max_steps={STEPS}", "train.global_batch_si
         "train.progress=false", "optim.warmup_steps=6", "model.vocab_size=1001", "train.eval_samples=8",
         "checkpoint.save_at_end=false"]
 GROUPS: CheckpointGroups | None = None
+HSDP_2X2 = ["strategy.sharding_strategy=HYBRID_SHARD", "strategy.hsdp_shard_size=2"]
+NO_SHARD = ["strategy.sharding_strategy=NO_SHARD"]
 
 
 def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, resume: str = "auto",
@@ -56,7 +62,7 @@ def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, 
     if dump_final_to is not None:
         dump_full_state(trainer, dump_final_to)
     trainer.metrics.close()
-    out = {"resumed_from": str(path) if path else None, "start": start,
+    out = {"resumed_from": str(path) if path else None, "start": start, "mesh": list(plan.mesh.shape),
            "notes": report["notes"] if report else [], "verify_s": report["verify_s"] if report else None}
     if dist.is_main():
         recs = read_records(run_dir)
@@ -113,13 +119,33 @@ def phase_ws2(work: Path) -> dict:
     return res
 
 
-def elastic_load(work: Path, source: str, tag: str) -> dict:
+def elastic_load(work: Path, source: str, tag: str, overrides: tuple[str, ...] | list[str] = (), *, step: int = 6,
+                 stop_at: int | None = None) -> dict:
+    """Resume run `source`'s step `step` in a fresh run (dumping what was loaded) and train on; with
+    stop_at, save there too (dumping what was saved), as the source of a later hop."""
     run = work / f"elastic_{tag}"
     if dist.is_main() and run.exists():
         shutil.rmtree(run)
     tdist.barrier()
-    return session(run, [], resume=str(work / source / "checkpoints" / "step_6"),
-                   dump_loaded_to=work / "dumps" / f"loaded_{tag}.pt")
+    save = [f"checkpoint.every_steps={stop_at}"] if stop_at else []
+    return session(run, [*overrides, *save], resume=str(work / source / "checkpoints" / f"step_{step}"),
+                   dump_loaded_to=work / "dumps" / f"loaded_{tag}.pt", stop_at=stop_at,
+                   dump_final_to=work / "dumps" / f"saved_{tag}.pt" if stop_at else None)
+
+
+def phase_meshes(phase: str, work: Path) -> dict:
+    """The checkpoints that change sharding strategy (and world size) on resume."""
+    if phase == "ws4":
+        return {"src4_hsdp": session(work / "src4_hsdp", [*HSDP_2X2, "checkpoint.every_steps=6"], stop_at=6,
+                                     dump_final_to=work / "dumps" / "saved_ws4_hsdp.pt"),
+                "fs4_to_hsdp": elastic_load(work, "src4", "fs4_to_hsdp", HSDP_2X2)}
+    if phase == "ws3":
+        return {"hsdp_to_fs3": elastic_load(work, "src4_hsdp", "hsdp_to_fs3")}
+    if phase == "ws2b":
+        return {"hsdp_to_noshard2": elastic_load(work, "src4_hsdp", "hsdp_to_noshard2", NO_SHARD, stop_at=9)}
+    if phase == "ws4b":
+        return {"noshard2_to_hsdp": elastic_load(work, "elastic_hsdp_to_noshard2", "noshard2_to_hsdp", HSDP_2X2, step=9)}
+    return {}
 
 
 def main() -> None:
@@ -142,8 +168,11 @@ def main() -> None:
         res = {"4to3": elastic_load(work, "src4", "4to3"), "2to3": elastic_load(work, "src2", "2to3")}
     elif phase == "ws2b":
         res = {"4to2": elastic_load(work, "src4", "4to2")}
+    elif phase == "ws4b":
+        res = {}
     else:
         raise SystemExit(f"unknown phase {phase}")
+    res |= phase_meshes(phase, work)
     if dist.is_main():
         out_path.write_text(json.dumps(res))
     dist.shutdown()

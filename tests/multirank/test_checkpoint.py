@@ -23,7 +23,7 @@ def ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
     work = out / "work"
     results: dict = {}
-    for phase, nproc in (("ws2", 2), ("ws4", 4), ("ws3", 3), ("ws2b", 2)):
+    for phase, nproc in (("ws2", 2), ("ws4", 4), ("ws3", 3), ("ws2b", 2), ("ws4b", 4)):
         torchrun(nproc, WORKER, phase, str(out / f"{phase}.json"), str(work))
         results.update(json.loads((out / f"{phase}.json").read_text()))
     return results, work
@@ -58,6 +58,39 @@ def test_elastic_resume_restores_state_bitwise_and_continues(ckpt, tag, source):
     resumed = by_step(res[tag])
     assert sorted(resumed) == list(range(7, 13))  # the same global sample sequence continues
     assert max(abs(v - reference[s]) / reference[s] for s, v in resumed.items()) < FP32_RTOL
+
+
+@pytest.mark.parametrize(
+    ("tag", "saved", "mesh", "first"),
+    [("fs4_to_hsdp", "saved_ws4", [2, 2], 7),  # FULL_SHARD on 4 -> HSDP 2x2
+     ("hsdp_to_fs3", "saved_ws4_hsdp", [3], 7),  # HSDP 2x2 -> FULL_SHARD on 3
+     ("hsdp_to_noshard2", "saved_ws4_hsdp", [2, 1], 7),  # HSDP 2x2 -> NO_SHARD on 2 (which saves at step 9)
+     ("noshard2_to_hsdp", "saved_hsdp_to_noshard2", [2, 2], 10)],  # ... and back under HSDP 2x2
+)
+def test_resume_across_meshes_restores_state_bitwise_and_continues(ckpt, tag, saved, mesh, first):
+    res, work = ckpt
+    run = res[tag]
+    assert run["mesh"] == mesh and run["start"] == first - 1
+    saved_state = torch.load(work / "dumps" / f"{saved}.pt")
+    loaded = torch.load(work / "dumps" / f"loaded_{tag}.pt")
+    assert saved_state.keys() == loaded.keys() and any(k.endswith(".exp_avg_sq") for k in loaded)
+    for key in saved_state:  # gathered model params and AdamW exp_avg, exp_avg_sq, step
+        assert torch.equal(saved_state[key], loaded[key]), key
+    reference, resumed = by_step(res["full4"]), by_step(run)
+    assert sorted(resumed) == list(range(first, 10 if tag == "hsdp_to_noshard2" else 13))
+    assert max(abs(v - reference[s]) / reference[s] for s, v in resumed.items()) < FP32_RTOL
+
+
+def test_cross_mesh_sources_were_saved_under_their_meshes(ckpt):
+    res, work = ckpt
+    for ckpt_dir, mesh, world_size in (("src4_hsdp/checkpoints/step_6", [2, 2], 4),
+                                       ("elastic_hsdp_to_noshard2/checkpoints/step_9", [2, 1], 2)):
+        manifest = json.loads((work / ckpt_dir / "manifest.json").read_text())
+        assert manifest["mesh"] == {"shape": mesh, "dim_names": ["replicate", "shard"]}
+        assert manifest["world_size"] == world_size
+    reference, hsdp = by_step(res["full4"]), by_step(res["src4_hsdp"])
+    assert sorted(hsdp) == list(range(1, 7))
+    assert max(abs(v - reference[s]) / reference[s] for s, v in hsdp.items()) < FP32_RTOL
 
 
 def test_elastic_resume_bf16_within_tolerance(ckpt):

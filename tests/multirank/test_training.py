@@ -33,6 +33,22 @@ def test_fp32_fsdp_matches_single_process_reference(training_results, ws):
     assert abs(run["val_loss"] - ref["val_loss"]) / ref["val_loss"] < FP32_RTOL
 
 
+@pytest.mark.parametrize(
+    ("strategy", "mesh", "embed_rows", "reshard"),
+    # vocab 1001: FULL_SHARD-like groups of 4 hold 251 rows, HSDP's groups of 2 hold 501, NO_SHARD all
+    [("SHARD_GRAD_OP", [4], 251, False), ("NO_SHARD", [4, 1], 1001, False), ("HYBRID_SHARD", [2, 2], 501, True)],
+)
+def test_every_strategy_trains_on_4_ranks_like_the_reference(training_results, strategy, mesh, embed_rows, reshard):
+    ref, run = training_results[1]["reference"], training_results[4][strategy]
+    assert run["mesh"] == mesh and run["reshard_after_forward"] is reshard
+    assert run["local_shapes"]["model.embed_tokens.weight"] == [embed_rows, 128]
+    # global batch 16 over 4 ranks in micro-batches of 2: every rank accumulates 2 micro-batches
+    assert len(run["loss"]) == 10
+    assert max_rel(run["loss"], ref["loss"]) < FP32_RTOL
+    assert max_rel(run["grad_norm"], ref["grad_norm"]) < FP32_RTOL
+    assert abs(run["val_loss"] - ref["val_loss"]) / ref["val_loss"] < FP32_RTOL
+
+
 def test_clipping_was_active_in_the_equivalence_runs(training_results):
     # grad_clip=0.5 in the worker: the reference's pre-clip norms exceed it, so clipping mattered.
     assert min(training_results[1]["reference"]["grad_norm"]) > 0.5

@@ -30,10 +30,11 @@ def train(name: str, overrides: list[str], runs: Path) -> dict:
     if dist.is_main():
         (runs / name).mkdir(parents=True, exist_ok=True)
     tdist.barrier()
-    trainer, _ = build_trainer(cfg, device=torch.device("cpu"), run_dir=runs / name)
+    trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=runs / name)
     summary = trainer.fit()
     trainer.metrics.close()
-    out = {"val_loss": summary["val_loss"], "local_mib": trainer.diagnostics.report["local_param_mib"]}
+    out = {"val_loss": summary["val_loss"], "local_mib": trainer.diagnostics.report["local_param_mib"],
+           "mesh": list(plan.mesh.shape), "reshard_after_forward": plan.reshard_after_forward}
     out["local_shapes"] = {k: list(v.to_local().shape) for k, v in trainer.model.state_dict().items()}
     out["full_mib"] = sum(p.numel() * p.element_size() for p in trainer.model.parameters()) / 2**20
     if dist.is_main():
@@ -57,6 +58,9 @@ def main() -> None:
         results["reference_bf16_cfg"] = reference_run(compose_config(BASE + ["train.max_steps=3"]))
     else:
         results["bf16"] = train("bf16", ["experiment=bf16"], runs)
+    if ws == 4:  # every other strategy, with 2 micro-batches per rank (gradient accumulation)
+        for strategy in ("SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
+            results[strategy] = train(strategy, [f"strategy.sharding_strategy={strategy}", "strategy.hsdp_shard_size=2"], runs)
     if ws == 2:
         results["compile"] = train("compile", ["train.compile=true", "train.max_steps=5"], runs)
         results["compile_ref"] = train("compile_ref", ["train.max_steps=5"], runs)

@@ -112,3 +112,18 @@ def test_async_alias_and_cross_checks():
         compose_config(["checkpoint.async=true", "strategy.state_dict_type=full"])
     with pytest.raises(ValueError, match="set checkpoint.save_at_end=true"):
         compose_config(["export.on_finish=true", "checkpoint.save_at_end=false"])
+
+
+@pytest.mark.parametrize("override", ["checkpoint.dir=s3://bucket/run/ckpts", "checkpoint.resume=gs://b/step_4",
+                                      "export.dir=az://c/out", "model.init_from=hf:s3://b/model", "run_dir=file:///x"])
+def test_urls_are_refused_until_a_remote_store_is_supported(override):
+    key = override.split("=", 1)[0]
+    with pytest.raises(ValueError, match=rf"{key}='.*' is a \w+:// URL; this fsdpkit reads and writes local"):
+        compose_config([override])
+
+
+def test_ckpt_commands_refuse_urls(capsys):
+    from fsdpkit.cli.main import main
+
+    assert main(["ckpt", "verify", "s3://bucket/run/checkpoints/step_4"]) == 2
+    assert "CKPT='s3://bucket/run/checkpoints/step_4' is a s3:// URL" in capsys.readouterr().err

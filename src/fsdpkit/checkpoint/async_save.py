@@ -27,6 +27,7 @@ import torch
 import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
 
+from fsdpkit import watchdog
 from fsdpkit.checkpoint.save import Snapshot, capture, write_snapshot
 from fsdpkit.checkpoint.state import CheckpointTarget
 
@@ -99,9 +100,13 @@ class AsyncSaver:
 
         def write() -> dict[str, Any]:
             t_bg = time.perf_counter()
-            time.sleep(float(os.environ.get(SLOW_WRITE_ENV, 0)))
-            manifest = write_snapshot(staged, ckpt_dir=ckpt_dir, group=self.group, thread_count=self.thread_count,
-                                      on_commit=on_commit)
+            watchdog.doing(f"background save of step {step}: writing and commit", slot=watchdog.BACKGROUND)
+            try:
+                time.sleep(float(os.environ.get(SLOW_WRITE_ENV, 0)))
+                manifest = write_snapshot(staged, ckpt_dir=ckpt_dir, group=self.group, thread_count=self.thread_count,
+                                          on_commit=on_commit)
+            finally:
+                watchdog.doing(None, slot=watchdog.BACKGROUND)
             result.background_s = time.perf_counter() - t_bg
             return manifest
 

@@ -9,6 +9,7 @@ import json
 import warnings
 from typing import Any
 
+from fsdpkit.config.paths import refuse_url
 from fsdpkit.export.tunables import DEFAULT_MAX_SHARD_SIZE, VERIFY_THREADS
 
 CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp), a checkpoints or run directory "
@@ -36,8 +37,14 @@ leading module.) are removed. A prefix every name shares that is not the model's
 describes (transformers builds it on the meta device), else by the common first component;
 --strip-prefix '' keeps names as they are, --strip-prefix/--add-prefix adapt other layouts.
 
+LoRA runs (model.peft.method=lora): --adapter writes a PEFT adapter folder (adapter_model.safetensors,
+adapter_config.json) that peft.PeftModel.from_pretrained(base_model, OUT) loads; --merge writes the
+model with W + (alpha/r) * B @ A merged in, under the base model's names (a plain Hugging Face folder).
+
 examples:
   fsdpkit ckpt export runs/demo/checkpoints exported/demo
+  fsdpkit ckpt export runs/sft/checkpoints sft-adapter --adapter
+  fsdpkit ckpt export runs/sft/checkpoints sft-merged --merge --dtype bf16
   fsdpkit ckpt export runs/demo/checkpoints/step_200 demo-bf16 --dtype bf16 --max-shard-size 2GB
   fsdpkit ckpt export accelerate_out/checkpoints exported/acc --config path/to/hf_model_folder
   fsdpkit ckpt export lightning_logs/version_0/checkpoints exported/pl --config config.json
@@ -87,6 +94,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--verify", action="store_true",
                    help="recompute every file checksum of an fsdpkit checkpoint first (default: check presence and sizes)")
     e.add_argument("--json", action="store_true", help="print the export report as JSON")
+    lora = e.add_mutually_exclusive_group()
+    lora.add_argument("--adapter", action="store_true",
+                      help="LoRA runs: write only the adapter as a PEFT folder (adapter_model.safetensors, adapter_config.json)")
+    lora.add_argument("--merge", action="store_true",
+                      help="LoRA runs: write the model with the adapters merged into its weights (a Hugging Face folder)")
+    e.add_argument("--base-model", default="", metavar="NAME",
+                   help="--adapter: base_model_name_or_path to record (default: the run's model.init_from folder)")
 
     i = cmds.add_parser("inspect", help="show what a checkpoint holds (never loads tensor data or pickled objects)",
                         description="Step, world size, mesh, versions, config summary, tensors (shape, dtype, bytes, "
@@ -125,8 +139,36 @@ def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=1, default=str))
 
 
+def _export_lora(args: argparse.Namespace) -> int:
+    from fsdpkit.export.adapter import export_adapter, export_merged
+
+    if args.fmt != "hf":
+        raise ValueError("--adapter and --merge write folders: drop --format single")
+    if args.adapter:
+        report = export_adapter(args.ckpt, args.out, dtype=args.dtype, base_model=args.base_model,
+                                overwrite=args.overwrite, verify=args.verify)
+    else:
+        report = export_merged(args.ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite, verify=args.verify,
+                               write_config=not args.no_config)
+    if args.json:
+        _print_json(report)
+        return 0
+    what = "adapter tensors" if args.adapter else f"tensors ({report['merged']} with LoRA merged, scale {report['scale']:g})"
+    print(f"exported {report['num_tensors']} {what} from {report['source']} (step {report['step']}) to {report['out']} "
+          f"in {report['seconds']:.2f} s: {', '.join(report['files'])}")
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from fsdpkit.export.exporter import export_checkpoint
+
+    if args.adapter or args.merge:
+        return _export_lora(args)
+    from fsdpkit.export.adapter import is_lora_checkpoint
+
+    if is_lora_checkpoint(args.ckpt):
+        raise ValueError(f"{args.ckpt} is a LoRA run (model.peft.method=lora): its weights carry peft's layer names, which "
+                         "no model loads; pass --merge for the merged model or --adapter for the PEFT adapter")
 
     if args.no_config and args.config:
         raise ValueError("--config and --no-config contradict each other; pass one")
@@ -203,4 +245,7 @@ def _diff(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen `ckpt` subcommand; returns the exit code."""
+    for name in ("ckpt", "out", "a", "b"):
+        if isinstance(getattr(args, name, None), str):
+            refuse_url(getattr(args, name), setting=name.upper())
     return {"export": _export, "inspect": _inspect, "verify": _verify, "diff": _diff}[args.ckpt_command](args)

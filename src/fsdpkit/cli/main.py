@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import sys
 import traceback
@@ -31,6 +32,7 @@ checkpoint error, before training.
 examples:
   fsdpkit train experiment=demo
   fsdpkit train --nproc 4 experiment=[demo,bf16] train.max_steps=20
+  fsdpkit train --nproc 2 --max-restarts 3 experiment=demo   # a failed rank: restart and resume
   torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
       -m fsdpkit train model=llama_1b experiment=bf16
 """
@@ -42,19 +44,27 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="train a model", description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="launch N local ranks through torch's elastic launcher (torchrun --standalone)")
+    t.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="with --nproc: when a rank fails, restart every rank up to K times; each restart "
+                        "resumes from the newest committed checkpoint (torchrun --max-restarts)")
     t.add_argument("--config-dir", action="append", default=[], metavar="DIR",
                    help="extra directory searched for config groups (your own experiment/*.yaml); repeatable")
     t.add_argument("overrides", nargs="*", help="Hydra overrides")
     r = sub.add_parser("resume-check", help="prove that resuming your config is seamless",
                        description="Run the config uninterrupted, then saved at --save-at, interrupted and resumed "
-                                   "(optionally on --resume-nproc ranks); check from the resumed run's own records "
-                                   "(the resume event in metrics.jsonl) that it loaded the full state of step --save-at "
-                                   "saved on --nproc ranks; print per-step loss and grad-norm differences. Exit 1 if "
-                                   "no such resume is recorded or any difference exceeds the tolerance (0 at the same "
-                                   "world size with deterministic=true; else 1e-6 relative when policy.mixed_precision "
-                                   "keeps every dtype fp32, 5e-4 otherwise, custom _target_ policies included).")
+                                   "(optionally on --resume-nproc ranks, with --resume-overrides); check from the resumed "
+                                   "run's own records (the resume event in metrics.jsonl) that it loaded the full state of "
+                                   "step --save-at saved on --nproc ranks; print per-step loss and grad-norm differences. "
+                                   "Exit 1 if no such resume is recorded or any difference exceeds the tolerance (0 when "
+                                   "the resumed run changes nothing, with deterministic=true; else 1e-6 relative when "
+                                   "policy.mixed_precision keeps every dtype fp32, 5e-4 otherwise, custom _target_ "
+                                   "policies included).")
     r.add_argument("--nproc", type=int, default=2, help="ranks of the uninterrupted and first run (default 2)")
     r.add_argument("--resume-nproc", type=int, default=None, help="ranks of the resumed run (default: --nproc)")
+    r.add_argument("--resume-overrides", action="append", default=[], metavar="OVERRIDES",
+                   help="Hydra overrides for the resumed run only, space-separated, e.g. "
+                        "'strategy.sharding_strategy=FULL_SHARD' to resume an HSDP checkpoint under FULL_SHARD; "
+                        "repeatable")
     r.add_argument("--steps", type=int, default=12, help="steps K of each run (default 12)")
     r.add_argument("--save-at", type=int, default=6, help="step S of the save and interruption (default 6)")
     r.add_argument("--work-dir", default=None,
@@ -78,11 +88,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.nproc is not None:
         if args.nproc < 1:
             raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+        if args.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be at least 0, got {args.max_restarts}")
         check_world_size(cfg, args.nproc, local_world_size=args.nproc)
         from fsdpkit.train.preflight import check_directories
 
         check_directories(cfg)  # one message from the launcher, before any rank starts
         return _launch_local(args, cfg)
+    if args.max_restarts:
+        raise ValueError("--max-restarts needs --nproc N (under torchrun, pass torchrun's own --max-restarts)")
     from fsdpkit.train.run import run
 
     summary = run(cfg)
@@ -100,6 +114,7 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
     preemption = [n if n.startswith("SIG") else f"SIG{n}" for n in cfg.checkpoint.preemption_signals]
     forwarded = ",".join(dict.fromkeys(["SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", *preemption]))
     launcher_args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={args.nproc}",
+                                                  f"--max-restarts={args.max_restarts}",
                                                   f"--signals-to-handle={forwarded}", *child])
     started = datetime.now(UTC)
     try:
@@ -107,7 +122,15 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
     except ChildFailedError as e:
         if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
             return _preempted(cfg, "a preemption signal reached the ranks", since=started)
-        print(f"fsdpkit train: {len(e.failures)} rank(s) failed; their tracebacks are above", file=sys.stderr)
+        from fsdpkit.cli.failures import describe_failures, rerun_takes
+
+        if {f.exitcode for f in e.failures.values()} == {2} and len(e.failures) == args.nproc:
+            # every rank stopped on a clear error (a setting, a path, a checkpoint), printed above
+            print("fsdpkit train: every rank stopped with the error above (exit 2)", file=sys.stderr)
+            return 2
+
+        for line in [*describe_failures(e.failures, world_size=args.nproc), rerun_takes(cfg)]:
+            print(f"fsdpkit train: {line}", file=sys.stderr)
         return 1
     except SignalException as e:  # the launcher itself was signalled; it passed the signal to the ranks
         return _preempted(cfg, f"the launcher received {e.sigval.name}", since=started, otherwise=128 + e.sigval.value)
@@ -152,7 +175,8 @@ def _resume_check(args: argparse.Namespace) -> int:
     from fsdpkit.cli.resume_check import resume_check
 
     return resume_check(overrides=args.overrides, nproc=args.nproc, resume_nproc=args.resume_nproc or args.nproc,
-                        steps=args.steps, save_at=args.save_at, work_dir=args.work_dir, config_dirs=args.config_dir)
+                        steps=args.steps, save_at=args.save_at, work_dir=args.work_dir, config_dirs=args.config_dir,
+                        resume_overrides=[o for group in args.resume_overrides for o in shlex.split(group)])
 
 
 def _stdout_closed() -> int:

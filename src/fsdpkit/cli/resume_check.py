@@ -1,12 +1,14 @@
 """`fsdpkit resume-check`: the user's proof, on their own config, that resuming is seamless.
 
 Runs the config uninterrupted for K steps; runs it again, saving at step S and stopping there as
-an interruption would; resumes it (optionally at another world size) to step K; then checks two
-things. (1) The third run really resumed: its own records (the `resume` event in metrics.jsonl)
-say it loaded the full state of step S of the second run, saved on the first run's world size. Equal
-losses alone prove nothing: a deterministic fresh start gives the same numbers. (2) A per-step
-table of loss and grad-norm differences stays within the tolerance: 0 at the same world size in
-deterministic mode, else 1e-6 relative when the mixed-precision policy is all fp32 and 5e-4 otherwise.
+an interruption would; resumes it (optionally at another world size, or with other settings such
+as another sharding strategy: --resume-overrides) to step K; then checks two things. (1) The third
+run really resumed: its own records (the `resume` event in metrics.jsonl) say it loaded the full
+state of step S of the second run, saved on the first run's world size. Equal losses alone prove
+nothing: a deterministic fresh start gives the same numbers. (2) A per-step table of loss and
+grad-norm differences stays within the tolerance: 0 when the resumed run changes nothing (same world
+size, no resume overrides) in deterministic mode, else 1e-6 relative when the mixed-precision policy
+is all fp32 and 5e-4 otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdpkit.checkpoint.layout import step_dir_name
-from fsdpkit.config import compose_config
+from fsdpkit.config import check_world_size, compose_config
 from fsdpkit.parallel.policies import mixed_precision_policy
 from fsdpkit.train.metrics import read_records
 
@@ -88,20 +90,31 @@ def resume_problems(events: list[dict[str, Any]], *, step: int, saved_world_size
 
 
 def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int, steps: int, save_at: int,
-                 work_dir: Path | None = None, config_dirs: list[str] = (),
+                 work_dir: Path | None = None, config_dirs: list[str] = (), resume_overrides: list[str] = (),
                  before_resume: Callable[[Path], None] | None = None) -> int:
     """Returns the exit code: 0 when the third run resumed from step `save_at` and every step
     after it is within tolerance, else 1.
 
     Args:
+        resume_overrides: Hydra overrides for the resumed run only (after `overrides`).
         before_resume: called with the interrupted run's directory just before it is resumed.
             Tests use it to delete the checkpoints there and see the check fail.
     Raises:
-        ValueError: bad step numbers, or `work_dir` already holds runs of an earlier check.
+        ValueError: bad step numbers, a resumed config that cannot run on `resume_nproc` ranks, or
+            `work_dir` already holds runs of an earlier check.
     """
     if not 0 < save_at < steps:
         raise ValueError(f"--save-at must lie between 0 and --steps ({steps}), got {save_at}")
-    rtol = tolerance(overrides, same_world_size=nproc == resume_nproc, config_dirs=list(config_dirs))
+    # The resumed run's config is validated now, not after the first two runs.
+    resumed_cfg = compose_config([*overrides, *resume_overrides], config_dirs=list(config_dirs))
+    try:
+        check_world_size(resumed_cfg, resume_nproc, local_world_size=resume_nproc)
+    except ValueError as e:
+        hint = (", or resume under another strategy: --resume-overrides strategy.sharding_strategy=FULL_SHARD"
+                if resumed_cfg.strategy.sharding_strategy == "HYBRID_SHARD" else "")
+        raise ValueError(f"the resumed run on {resume_nproc} rank(s): {e}{hint}") from None
+    unchanged = nproc == resume_nproc and not resume_overrides
+    rtol = tolerance(overrides, same_world_size=unchanged, config_dirs=list(config_dirs))
     work = Path(work_dir or tempfile.mkdtemp(prefix="fsdpkit-resume-check-"))
     full, resumed = work / "uninterrupted", work / "resumed"
     for run in (full, resumed):
@@ -110,14 +123,16 @@ def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int, steps: 
     common = [*overrides, f"train.max_steps={steps}", "train.eval_every=0", "train.progress=false",
               "checkpoint.save_at_end=false"]
     ckpt_root = Path(compose_config([*common, f"run_dir={resumed}"], config_dirs=list(config_dirs)).checkpoint.dir)
+    changed = f" with {' '.join(resume_overrides)}" if resume_overrides else ""
     print(f"resume-check: {steps} steps on {nproc} rank(s) uninterrupted, then saved at step {save_at}, "
-          f"interrupted, resumed on {resume_nproc} rank(s); work dir {work}", flush=True)
+          f"interrupted, resumed on {resume_nproc} rank(s){changed}; work dir {work}", flush=True)
     _train(nproc, [*common, "checkpoint.resume=none", "checkpoint.every_steps=0"], full, list(config_dirs))
     _train(nproc, [*common, "checkpoint.resume=none", f"checkpoint.every_steps={save_at}", f"train.stop_at={save_at}"],
            resumed, list(config_dirs))
     if before_resume is not None:
         before_resume(resumed)
-    _train(resume_nproc, [*common, "checkpoint.resume=auto", "checkpoint.every_steps=0"], resumed, list(config_dirs))
+    _train(resume_nproc, [*common, *resume_overrides, "checkpoint.resume=auto", "checkpoint.every_steps=0"], resumed,
+           list(config_dirs))
     problems = resume_problems(read_records(resumed, events=True), step=save_at, saved_world_size=nproc,
                                ckpt_root=ckpt_root)
     if not problems:

@@ -22,6 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from fsdpkit.config.paths import refuse_url
 from fsdpkit.config.schema import (
     MIXED_PRECISION_PRESETS,
     SHARDING_STRATEGIES,
@@ -138,7 +139,22 @@ def validate(cfg: Config) -> None:
             raise ValueError("config key 'model.num_attention_heads' must be divisible by model.num_key_value_heads")
     elif "model_type" not in m.hf_config:
         raise ValueError("config key 'model.hf_config' needs a `model_type` (e.g. llama) when model.kind=hf")
-    _one_of("data.kind", d.kind, ("synthetic", "tokens", "text"))
+    _one_of("model.peft.method", m.peft.method, ("none", "lora"))
+    if m.peft.method != "none":
+        if m.kind != "hf":
+            raise ValueError("model.peft.method=lora needs a transformers model (model.kind=hf, e.g. model=hf_llama_tiny)")
+        _positive("model.peft.r", m.peft.r)
+        if not m.peft.target_modules:
+            raise ValueError("config key 'model.peft.target_modules' is empty; name the layers, e.g. [q_proj,v_proj]")
+    _one_of("data.kind", d.kind, ("synthetic", "tokens", "text", "hf"))
+    if d.kind == "hf":
+        if not d.files:
+            raise ValueError("data.kind=hf needs data.files=[path or glob, ...] (jsonl, json, parquet, csv or txt)")
+        if not d.tokenizer:
+            raise ValueError("data.kind=hf needs data.tokenizer=<folder of a Hugging Face tokenizer>")
+        _one_of("data.format", d.format, ("auto", "json", "parquet", "csv", "text"))
+        _one_of("data.overlong", d.overlong, ("truncate", "drop"))
+        _positive("data.num_proc", d.num_proc)
     _one_of("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
     if d.kind in ("tokens", "text") and not d.path:
         raise ValueError(f"config key 'data.path' must name a file when data.kind={d.kind}")
@@ -158,6 +174,9 @@ def validate(cfg: Config) -> None:
     _positive("train.stop_at", t.stop_at, allow_zero=True)
     _positive("train.eval_samples", t.eval_samples, allow_zero=True)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    _positive("dist.timeout_s", cfg.dist.timeout_s)
+    _positive("dist.heartbeat_s", cfg.dist.heartbeat_s, allow_zero=True)
+    _positive("dist.slow_step_factor", cfg.dist.slow_step_factor, allow_zero=True)
     validate_checkpoint(cfg.checkpoint, state_dict_type=s.state_dict_type)
     _positive("diagnostics.memory_steps", cfg.diagnostics.memory_steps, allow_zero=True)
     if cfg.diagnostics.skew_warn_ratio < 1:
@@ -165,6 +184,10 @@ def validate(cfg: Config) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
                          "`pip install tensorboard`, or set logging.tensorboard=false")
+    for setting, value in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint.dir),
+                           ("checkpoint.resume", cfg.checkpoint.resume), ("export.dir", cfg.export.dir),
+                           ("model.init_from", m.init_from.removeprefix("hf:"))):
+        refuse_url(value, setting=setting)
     if m.init_from and not (m.init_from.startswith("hf:") and len(m.init_from) > 3):
         raise ValueError(f"config key 'model.init_from' is {m.init_from!r}; use hf:<directory of safetensors> or ''")
     _one_of("export.dtype", cfg.export.dtype, ("bf16", "fp16", "fp32"))

@@ -59,6 +59,25 @@ class PolicyConfig:
 
 
 @dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning through the `peft` library (model.kind=hf only)."""
+
+    method: str = "none"
+    """`none`: train every parameter. `lora`: freeze the model and train LoRA adapters injected
+    into `target_modules` (sharded with the model by fully_shard; checkpoints hold the frozen base
+    too, so they resume on their own). `fsdpkit ckpt export --adapter` writes the adapter for
+    `peft.PeftModel.from_pretrained`, `--merge` the merged model."""
+    r: int = 8
+    """LoRA rank."""
+    alpha: float = 16.0
+    """LoRA alpha; the update is scaled by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names (last component) that get adapters, e.g. [q_proj, k_proj, v_proj, o_proj]."""
+
+
+@dataclass
 class ModelConfig:
     """The model to train (`conf/model/*.yaml`)."""
 
@@ -95,6 +114,12 @@ class ModelConfig:
     or shards with an index) instead of a random init; each rank reads only the slices it owns,
     converted to the parameter dtype. Keys and shapes must match the model. Ignored when the run
     resumes from a checkpoint. Empty: random init from seed."""
+    resize_to_tokenizer: bool = False
+    """data.kind=hf: when data.tokenizer has more tokens than the model's vocabulary, grow the
+    embedding and lm_head to the tokenizer's size instead of refusing to start. New rows get the
+    seeded init; with model.init_from the folder's rows are loaded into the first rows."""
+    peft: PeftConfig = field(default_factory=PeftConfig)
+    """Adapters (LoRA) instead of full fine-tuning."""
 
 
 @dataclass
@@ -104,9 +129,41 @@ class DataConfig:
     kind: str = "synthetic"
     """`synthetic`: a built-in deterministic corpus with learnable structure (no download).
     `tokens`: a flat binary file of token ids (nanoGPT-style, read by numpy memmap).
-    `text`: a UTF-8 text file, tokenized to bytes (vocabulary 256)."""
+    `text`: a UTF-8 text file, tokenized to bytes (vocabulary 256).
+    `hf`: local jsonl/json/parquet/csv/text files through the `datasets` library, tokenized with
+    `tokenizer` into a shared cache (needs the `hf` extra)."""
     path: str = ""
     """File to read for kind=tokens or kind=text."""
+    files: list[str] = field(default_factory=list)
+    """kind=hf: data files or globs (e.g. `[data/*.jsonl]`), read in sorted order."""
+    val_files: list[str] = field(default_factory=list)
+    """kind=hf: validation files or globs; empty: the last `val_fraction` of the documents of `files`."""
+    format: str = "auto"
+    """kind=hf: `auto` (from the files' extension: .jsonl/.json, .parquet, .csv, .txt), `json`,
+    `parquet`, `csv` or `text` (one document per line)."""
+    tokenizer: str = ""
+    """kind=hf: a folder holding a Hugging Face tokenizer (tokenizer.json, as `save_pretrained`
+    writes it; read with no network access), or a hub id when the machine has network. Its size
+    must not exceed the model's vocabulary."""
+    text_field: str = "text"
+    """kind=hf: the column holding a document's text (`text` for format=text)."""
+    messages_field: str = ""
+    """kind=hf: the column holding a conversation (`[{"role": ..., "content": ...}, ...]`), for
+    chat SFT: rendered with the tokenizer's chat template, loss on the assistant's tokens only.
+    Empty: plain documents from `text_field`."""
+    packing: bool = True
+    """kind=hf: true: documents one after another (EOS after each text document) cut into
+    seq_len + 1 windows; false: one document per sample, padded (padding is not trained on)."""
+    overlong: str = "truncate"
+    """kind=hf with packing=false: a document longer than seq_len + 1 tokens is cut (`truncate`)
+    or left out (`drop`); the counts are logged at start-up."""
+    cache_dir: str = ""
+    """kind=hf: where tokenized data is cached (keyed by the files' contents, the tokenizer and the
+    options; reused by every rank and later runs). Must be shared by all ranks. Empty:
+    $FSDPKIT_DATA_CACHE or ~/.cache/fsdpkit/data."""
+    num_proc: int = 1
+    """kind=hf: processes that tokenize in parallel when the cache is built (a fast tokenizer
+    also uses threads of its own)."""
     token_dtype: str = "uint16"
     """kind=tokens: `uint16` or `uint32`, the dtype the file was written with."""
     seq_len: int = 64
@@ -169,6 +226,25 @@ class TrainConfig:
     """torch.compile each decoder block (after activation checkpointing, before fully_shard)."""
     progress: bool = True
     """Show a live progress bar on rank 0 when stderr is a terminal."""
+
+
+@dataclass
+class DistConfig:
+    """The process group and the bounds on waiting for other ranks."""
+
+    timeout_s: float = 600.0
+    """Bound on every training collective (the default process group: the step's gradient
+    reductions and all-reduce, evaluation, set-up) and on creating the process group: a dead or
+    stopped rank fails the collective on every other rank after this long instead of hanging it.
+    Saves and loads have checkpoint.timeout_s, the on_exception vote checkpoint.exception_timeout_s;
+    a job with a stopped rank ends within the largest wait in flight plus the launcher's 30 s grace."""
+    heartbeat_s: float = 1.0
+    """Each rank publishes what it is doing (step, phase, background save) to the launcher's store
+    this often; when a collective fails, the report names the rank whose heartbeat stopped. 0: off."""
+    slow_step_factor: float = 10.0
+    """The watchdog warns when the current step has taken this many times the median of the recent
+    steps (and at least 30 s) AND some rank's heartbeat stopped; a slow step on live ranks is not
+    reported. 0: no watchdog warnings (heartbeats stay on)."""
 
 
 @dataclass
@@ -269,7 +345,8 @@ class ExportConfig:
 
     on_finish: bool = False
     """When training reaches train.max_steps, export the final checkpoint's model weights (rank
-    0, streaming, after the process group is torn down). Needs checkpoint.save_at_end."""
+    0, streaming, after the process group is torn down). Needs checkpoint.save_at_end. LoRA runs
+    export the model with the adapters merged in (as `fsdpkit ckpt export --merge`)."""
     dir: str = "${run_dir}/export"
     """Where the export goes. An earlier fsdpkit export there is replaced; anything else (or a
     path that is, contains or lies in the checkpoints, or is the run directory) is refused."""
@@ -300,6 +377,8 @@ class Config:
     """Process-group backend: `auto` (NCCL on CUDA, gloo on CPU), `gloo` or `nccl`."""
     log_level: str = "INFO"
     """Log level of rank 0 (other ranks log warnings only)."""
+    dist: DistConfig = field(default_factory=DistConfig)
+    """Process group timeouts, heartbeats and the stuck-rank watchdog."""
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     """FSDP sharding strategy (model-agnostic)."""
     policy: PolicyConfig = field(default_factory=PolicyConfig)

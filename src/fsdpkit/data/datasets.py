@@ -4,7 +4,11 @@ next-token targets). Three sources, one interface:
 - SyntheticCorpus: built in, deterministic, with learnable structure (no download);
 - TokenFile: a flat binary file of uint16/uint32 token ids (what nanoGPT-style pipelines write),
   read through numpy memmap;
-- a text file through the byte-level tokenizer (one token per UTF-8 byte, vocabulary 256).
+- a text file through the byte-level tokenizer (one token per UTF-8 byte, vocabulary 256);
+- local jsonl/json/parquet/csv/text files through a Hugging Face tokenizer (hf_dataset.py).
+
+`labeled_batch` gives (inputs, targets) with -100 where a target is not trained on, and
+`target_count` the number of trained targets of any samples (the loss normaliser).
 """
 
 from __future__ import annotations
@@ -28,6 +32,19 @@ class Dataset(Protocol):
     def batch(self, indices: list[int]) -> torch.Tensor:
         """Samples `indices` as a LongTensor [len(indices), seq_len + 1]."""
         ...
+
+    def labeled_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs [B, seq_len], targets [B, seq_len]); targets are -100 where not trained on."""
+        ...
+
+    def target_count(self, indices: list[int]) -> int:
+        """Trained targets (not -100) in samples `indices`."""
+        ...
+
+
+def shifted(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [B, L + 1] -> (inputs [B, L], next-token targets [B, L]), every target trained on."""
+    return tokens[:, :-1], tokens[:, 1:]
 
 
 class SyntheticCorpus:
@@ -66,6 +83,12 @@ class SyntheticCorpus:
     def batch(self, indices: list[int]) -> torch.Tensor:
         return torch.from_numpy(np.stack([self._sample(i) for i in indices]))
 
+    def labeled_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return shifted(self.batch(indices))
+
+    def target_count(self, indices: list[int]) -> int:
+        return len(indices) * self.seq_len
+
 
 class TokenFile:
     """Fixed-length samples from a memory-mapped token file: sample i covers tokens
@@ -91,6 +114,12 @@ class TokenFile:
             )
         return out
 
+    def labeled_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return shifted(self.batch(indices))
+
+    def target_count(self, indices: list[int]) -> int:
+        return len(indices) * self.seq_len
+
 
 def _open_tokens(cfg: DataConfig) -> np.ndarray:
     path = Path(cfg.path)
@@ -105,6 +134,10 @@ def _open_tokens(cfg: DataConfig) -> np.ndarray:
 
 def build_datasets(cfg: DataConfig, *, vocab_size: int, seed: int) -> tuple[Dataset, Dataset]:
     """(train, validation). The validation split never overlaps the training split."""
+    if cfg.kind == "hf":
+        from fsdpkit.data.hf_dataset import build_hf_datasets  # needs the optional `hf` extra
+
+        return build_hf_datasets(cfg, vocab_size=vocab_size)
     if cfg.kind == "synthetic":
         n_val = max(1, round(cfg.num_samples * cfg.val_fraction))
         common = dict(vocab_size=vocab_size, seq_len=cfg.seq_len, seed=seed)

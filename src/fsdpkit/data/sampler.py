@@ -16,13 +16,15 @@ import torch
 class GlobalSampler:
     """Deterministic, resumable, world-size-invariant batch order (a `Stateful`)."""
 
-    def __init__(self, *, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True):
+    def __init__(self, *, num_samples: int, global_batch_size: int, seed: int, shuffle: bool = True,
+                 fingerprint: str = ""):
         if global_batch_size > num_samples:
             raise ValueError(
                 f"train.global_batch_size={global_batch_size} exceeds the {num_samples} training samples of one epoch"
             )
         self.num_samples, self.global_batch_size = num_samples, global_batch_size
         self.seed, self.shuffle = seed, shuffle
+        self.fingerprint = fingerprint  # what the samples are (tokenized data); "" for built-in data
         self.epoch, self.position, self.samples_seen = 0, 0, 0
         self._order_epoch, self._order = -1, torch.empty(0, dtype=torch.long)
 
@@ -53,6 +55,7 @@ class GlobalSampler:
             "num_samples": self.num_samples,
             "seed": self.seed,
             "shuffle": self.shuffle,
+            **({"fingerprint": self.fingerprint} if self.fingerprint else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -62,6 +65,12 @@ class GlobalSampler:
                     f"data cursor was saved with {key}={state[key]!r} but this run has {getattr(self, key)!r}; "
                     "the sample order would differ. Restore the data settings or start fresh (resume=none)"
                 )
+        if state.get("fingerprint", "") != self.fingerprint:
+            raise ValueError(
+                f"data cursor was saved for data {state.get('fingerprint') or '(built-in)'} but this run reads "
+                f"{self.fingerprint or '(built-in)'} (different files, tokenizer, seq_len, packing or split); the sample "
+                "order would differ. Restore the data settings or start fresh (checkpoint.resume=none)"
+            )
         self.epoch, self.position, self.samples_seen = state["epoch"], state["position"], state["samples_seen"]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +41,26 @@ def _file_index(hf_dir: Path) -> dict[str, tuple[Path, torch.dtype, list[int]]]:
     return index
 
 
-def _aliases(model: nn.Module) -> dict[str, list[str]]:
+def _model_tensors(model: nn.Module, rename: Callable[[str], str | None] | None) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers by the name the file uses for them."""
+    out = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        name = clean_name(key) if rename is None else rename(clean_name(key))
+        if name is not None:
+            out[name] = t
+    return out
+
+
+def _aliases(params: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     """State-dict names of the same tensor (tied weights), each name -> all its names."""
     by_id: dict[int, list[str]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        by_id.setdefault(id(t), []).append(clean_name(name))
+    for name, t in params.items():
+        by_id.setdefault(id(t), []).append(name)
     return {n: names for names in by_id.values() for n in names}
 
 
-def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True) -> dict[str, Any]:
+def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True,
+                    rename: Callable[[str], str | None] | None = None, grow_rows: bool = False) -> dict[str, Any]:
     """Fill `model`'s parameters and persistent buffers from safetensors in `hf_dir`.
 
     Works on FSDP2-sharded models (each rank reads its own slices; call it on every rank) and
@@ -59,6 +71,10 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     Args:
         hf_dir: a Hugging Face folder (model.safetensors, or shards with an index) or one file.
         strict: missing or unexpected keys are an error (otherwise reported and skipped).
+        rename: maps a model name to the file's name for it, or to None for tensors the file
+            does not hold by design (LoRA adapters: fsdpkit.model.peft.peft_base_name).
+        grow_rows: a model tensor with more dim-0 rows than the file's (a vocabulary grown to a
+            tokenizer) takes the file's rows as its first rows; the others keep their values.
     Returns:
         {"loaded", "missing", "unexpected", "ignored", "files", "conversions", "bytes_read", "seconds"}
         for this rank (`bytes_read` counts only its own slices).
@@ -72,17 +88,20 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     if not hf_dir.exists():
         raise FileNotFoundError(f"{hf_dir} does not exist")
     index = _file_index(hf_dir)
-    params = {clean_name(k): v for k, v in model.state_dict(keep_vars=True).items()}
-    aliases = _aliases(model)
+    params = _model_tensors(model, rename)
+    aliases = _aliases(params)
     plan: dict[str, str] = {}  # model name -> file key
     missing, mismatched = [], []
+    grown: dict[str, int] = {}  # model name -> the file's rows (fewer than the model's)
     for name, t in params.items():
         source = next((a for a in [name, *aliases.get(name, [])] if a in index), None)
         if source is None:
             missing.append(f"{name} {list(t.shape)}")
             continue
         shape = index[source][2]
-        if list(t.shape) != shape:
+        if grow_rows and len(shape) == t.ndim and shape[1:] == list(t.shape[1:]) and 0 < shape[0] < t.shape[0]:
+            grown[name] = shape[0]
+        elif list(t.shape) != shape:
             mismatched.append(f"{name}: file {shape} ({index[source][0].name}), model {list(t.shape)}")
             continue
         plan[name] = source
@@ -116,6 +135,10 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt")
             local, piece = _local_piece(target)
+            if name in grown:  # only the rows the file has: [0, its rows) of the global tensor
+                stop = min(piece[0].stop, grown[name])
+                local = local[: max(0, stop - piece[0].start)]
+                piece = (slice(piece[0].start, max(piece[0].start, stop)), *piece[1:])
             if local.numel() == 0:
                 continue
             values = handles[file].get_tensor(source) if not piece else handles[file].get_slice(source)[piece]
@@ -125,7 +148,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
             local.copy_(values.reshape(local.shape))
     handles.clear()
     reset_nonpersistent_buffers(model)
-    return {"loaded": len(plan), "missing": missing, "unexpected": unexpected, "ignored": ignored,
+    return {"loaded": len(plan), "grown": grown, "missing": missing, "unexpected": unexpected, "ignored": ignored,
             "files": sorted({str(index[s][0]) for s in plan.values()}), "conversions": dict(conversions),
             "bytes_read": bytes_read, "seconds": time.perf_counter() - t0}
 

@@ -61,7 +61,7 @@ def plan_names(opened: OpenedCheckpoint, *, namespace: str | None, strip_prefixe
             why = f"the names of {model_config.architecture}" if expected is not None else "a model's own names"
             plan.notes.append(f"stripped the prefix {prefix!r} from all {len(names)} names, to match {why} "
                               f"(e.g. {next(iter(names))} -> {next(iter(plan.names))}); --strip-prefix '' keeps them")
-    plan.dropped = _drop_tied(plan.names, opened, model_config)
+    plan.dropped = drop_tied(plan.names, opened, model_config)
     if model_config is not None and model_config.shapes is not None:
         _check_against_config(plan.names, opened, model_config)
     return plan
@@ -139,7 +139,7 @@ def _manifest_groups(names: dict[str, str], opened: OpenedCheckpoint, model_cfg:
     return [[twin, TIED_HEAD]] if twin else []
 
 
-def _drop_tied(names: dict[str, str], opened: OpenedCheckpoint, cfg: ModelConfig | None) -> list[str]:
+def drop_tied(names: dict[str, str], opened: OpenedCheckpoint, cfg: ModelConfig | None) -> list[str]:
     """Write each tied tensor once, under the name transformers keeps (the embedding's): when the
     config (or the run's) ties them, after checking that they are equal; without a config, when
     lm_head equals the embedding."""

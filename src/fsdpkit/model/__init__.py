@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -18,7 +19,32 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         return LlamaForCausalLM(LlamaArgs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(LlamaArgs)}))
     from fsdpkit.model.hf import build_hf_model
 
-    return build_hf_model(cfg.hf_config)
+    model = build_hf_model(cfg.hf_config)
+    if cfg.peft.method == "lora":
+        from fsdpkit.model.peft import apply_lora
+
+        model = apply_lora(model, cfg.peft)
+    return model
+
+
+def param_init_std(model: nn.Module) -> Callable[[str], float | None] | None:
+    """Per-parameter init std that overrides `init_std` (None: none does); LoRA adapters have their own."""
+    if any(".lora_A." in name for name, _ in model.named_parameters()):
+        from fsdpkit.model.peft import lora_init_std
+
+        return lora_init_std(model)
+    return None
+
+
+def grow_vocab(cfg: ModelConfig, size: int) -> bool:
+    """Set the model config's vocabulary to `size` if that is larger; returns whether it grew."""
+    current = int(cfg.hf_config.get("vocab_size", cfg.vocab_size)) if cfg.kind == "hf" else cfg.vocab_size
+    if size <= current:
+        return False
+    cfg.vocab_size = size
+    if cfg.kind == "hf":
+        cfg.hf_config["vocab_size"] = size
+    return True
 
 
 def init_std(model: nn.Module) -> float:

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdpkit import dist
 from fsdpkit.config.schema import Config
-from fsdpkit.model import build_model, init_std, reset_nonpersistent_buffers
+from fsdpkit.model import build_model, init_std, param_init_std, reset_nonpersistent_buffers
 from fsdpkit.parallel.init import init_weights
 from fsdpkit.parallel.policies import (
     matching_modules,
@@ -110,7 +110,7 @@ def materialize(model: nn.Module, *, device: torch.device, seed: int, cpu_offloa
     """
     model.to_empty(device="cpu" if cpu_offload else device)
     if init:
-        init_weights(model, seed=seed, std=init_std(model))
+        init_weights(model, seed=seed, std=init_std(model), std_of=param_init_std(model))
     reset_nonpersistent_buffers(model)
     if cpu_offload:
         for module in model.modules():

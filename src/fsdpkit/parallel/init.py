@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -54,9 +55,11 @@ def _is_norm(module: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, *, seed: int, std: float) -> None:
+def init_weights(model: nn.Module, *, seed: int, std: float,
+                 std_of: Callable[[str], float | None] | None = None) -> None:
     """Initialise every parameter deterministically from (seed, name): normal(0, std) for
-    linear and embedding weights, ones for norm weights, zeros for biases.
+    linear and embedding weights, ones for norm weights, zeros for biases. `std_of(fqn)`, when
+    it returns a number, overrides that: normal(0, that std), or zeros for 0 (LoRA adapters).
 
     Works on plain tensors and on FSDP2 DTensor shards alike (tied weights are visited once).
     """
@@ -68,7 +71,13 @@ def init_weights(model: nn.Module, *, seed: int, std: float) -> None:
             seen.add(id(param))
             fqn = f"{mod_name}.{p_name}" if mod_name else p_name
             local, row0 = _local_view(param)
-            if p_name == "bias":
+            special = std_of(fqn) if std_of is not None else None
+            if special == 0.0:
+                local.zero_()
+            elif special is not None:
+                if local.numel():
+                    local.copy_(_rows(fqn, seed=seed, shape=param.shape, start=row0, stop=row0 + local.shape[0], std=special))
+            elif p_name == "bias":
                 local.zero_()
             elif _is_norm(module):
                 local.fill_(1.0)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdpkit import dist
+from fsdpkit import dist, watchdog
 from fsdpkit.checkpoint.manager import Checkpointer
 from fsdpkit.data import GlobalSampler, eval_micro_batches, rank_micro_batches
 from fsdpkit.data.datasets import Dataset
@@ -42,10 +42,21 @@ def _raise_if_injected(step: int, rank: int) -> None:
         raise RuntimeError(f"injected failure at step {step} on rank {rank} ({RAISE_AT_ENV})")
 
 
+def masked_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed cross-entropy of inputs [B, L] against targets [B, L]; targets of -100 are skipped."""
+    logits = model_logits(model, inputs)  # [B, L, V]
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
+
+
 def token_loss_sum(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     """Summed next-token cross-entropy of batch [B, L+1] (inputs batch[:, :-1], targets batch[:, 1:])."""
-    logits = model_logits(model, batch[:, :-1])  # [B, L, V]
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+    return masked_loss_sum(model, batch[:, :-1], batch[:, 1:])
+
+
+def micro_batch_loss(model: nn.Module, data: Dataset, indices: list[int], *, device: torch.device) -> torch.Tensor:
+    """Summed loss of samples `indices` over their trained targets."""
+    inputs, targets = data.labeled_batch(indices)
+    return masked_loss_sum(model, inputs.to(device), targets.to(device))
 
 
 @dataclass
@@ -86,24 +97,29 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         """One optimizer step over the next global batch; returns this step's metrics."""
         t0 = time.perf_counter()
+        step = self.state.step + 1
+        watchdog.doing(f"step {step}: forward/backward")
         mem = self.diagnostics.memory  # per-phase peaks of the first steps; no-ops afterwards
         mem.mark(BATCH_START)
         rank, ws = dist.rank(), dist.world_size()
         self._cursor_before = self.sampler.state_dict()
         global_batch = self.sampler.next_global_batch()
         micro = rank_micro_batches(global_batch, rank=rank, world_size=ws, micro_batch_size=self.micro_batch_size)
-        global_tokens = len(global_batch) * self.train_data.seq_len  # every sample has seq_len targets
+        # Trained targets in the whole global batch (every rank computes it from the data alone), so
+        # the loss means the same at any world size and micro-batch split.
+        global_tokens = max(1, self.train_data.target_count(global_batch))  # 1: a batch with nothing to train
         lr = self.scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, indices in enumerate(micro):
             # Only the last micro-batch reduce-scatters; earlier ones accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            loss = token_loss_sum(self.model, self.train_data.batch(indices).to(self.device))
+            loss = micro_batch_loss(self.model, self.train_data, indices, device=self.device)
             mem.mark(FORWARD)
             (loss / global_tokens).backward()
             mem.mark(BACKWARD)
             loss_sum += loss.detach()
         _raise_if_injected(self.state.step + 1, rank)
+        watchdog.doing(f"step {step}: grad clipping and optimizer update")
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # skips params without grads
         self.diagnostics.check_grad_norm(grad_norm, parameters=self.model.parameters(), max_norm=self.grad_clip)
         self._updating = True
@@ -116,6 +132,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # One all-reduce per step carries the loss and the flags every rank must agree on
         # (preemption, checkpoint cadence by time, a failed background save: Checkpointer.local_flags).
+        watchdog.doing(f"step {step}: end-of-step all-reduce")
         total, *self._agreed = dist.all_reduce_sum([float(loss_sum), *self._local_flags()], device=self.device)
         dt = time.perf_counter() - t0
         return {
@@ -148,22 +165,22 @@ class Trainer:
     def evaluate(self) -> float:
         """Token-weighted loss over the first `eval_samples` held-out samples, the same samples at
         any world size. Every rank runs the same number of forwards (FSDP needs all ranks)."""
+        watchdog.doing(f"step {self.state.step}: evaluating")
         n = min(self.eval_samples, len(self.val_data))
         chunks = eval_micro_batches(n, rank=dist.rank(), world_size=dist.world_size(), micro_batch_size=self.micro_batch_size)
         loss_sum, tokens = 0.0, 0
         for indices in chunks:
-            batch = self.val_data.batch(indices or [0]).to(self.device)
-            loss = token_loss_sum(self.model, batch)
+            loss = micro_batch_loss(self.model, self.val_data, indices or [0], device=self.device)
             if indices:  # an empty slot only keeps this rank in step with the others
                 loss_sum += float(loss)
-                tokens += len(indices) * self.val_data.seq_len
+                tokens += self.val_data.target_count(indices)
         # The root keeps its params unsharded after a forward with no backward: reshard so the
         # next step all-gathers the freshly updated shards.
         for module in self.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
         total, count = dist.all_reduce_sum([loss_sum, tokens], device=self.device)
-        return total / count
+        return total / max(count, 1)
 
     def fit(self, *, stop_at: int | None = None) -> dict[str, Any]:
         """Train until max_steps (or until step `stop_at`, as an interruption would), evaluating
@@ -175,6 +192,7 @@ class Trainer:
         val_loss = None
         try:
             while self.state.step < end:
+                watchdog.step_started()
                 record = self.train_step()
                 self.diagnostics.after_step(last=self.state.step >= end)
                 last = self.state.step == self.max_steps  # not at stop_at: an interruption is not the end
@@ -182,8 +200,11 @@ class Trainer:
                     val_loss = record["val_loss"] = self.evaluate()
                     self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)
                 self.metrics.step(record, quiet=progress.active)
+                if self.checkpointer is not None:
+                    watchdog.doing(f"step {self.state.step}: checkpoint cadence (a save if one is due)")
                 preempted = self.checkpointer is not None and self.checkpointer.step(
                     self.state.step, metrics=record, last=last, agreed=self._agreed)
+                watchdog.step_finished()
                 progress.update(self.state.step, f"loss {record['loss']:.4f}")
                 records.append(record)
                 if preempted:
@@ -193,8 +214,13 @@ class Trainer:
                                         self.stopped_by)
                     break
             if self.checkpointer is not None:
+                watchdog.doing("finishing: waiting for the background save")
                 self.checkpointer.close()  # waits for the last save
         except Exception as e:
+            # One line that names the rank that stopped answering (if one did) and what every
+            # rank was doing; before on_exception, whose own wait may end the job first.
+            watchdog.doing(f"failed at step {self.state.step}: {type(e).__name__}")
+            watchdog.log_stuck_ranks(e)
             # A set-up mistake found by the diagnostics is no state worth saving.
             if self.checkpointer is not None and not isinstance(e, FSDPContractError):
                 self.checkpointer.on_exception(e, boundary_step=self.boundary_step())

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from fsdpkit.config import Config
+from fsdpkit.export.destination import check_no_overlap, check_replaceable, protected_paths
 
 
 def _writable_dir(path: Path, *, setting: str) -> None:
@@ -35,6 +36,15 @@ def _writable_dir(path: Path, *, setting: str) -> None:
 
 
 def check_directories(cfg: Config) -> None:
-    """Raise ValueError when run_dir or checkpoint.dir cannot be created and written."""
+    """Raise ValueError when run_dir or checkpoint.dir cannot be created and written, or when
+    export.on_finish would be refused at the end (export.dir overlaps the checkpoints, or holds
+    something that is not an earlier export)."""
     _writable_dir(Path(cfg.run_dir), setting="run_dir")
     _writable_dir(Path(cfg.checkpoint.dir), setting="checkpoint.dir")
+    if cfg.export.on_finish:
+        out = Path(cfg.export.dir)
+        try:
+            check_no_overlap(out, protected_paths(Path(cfg.checkpoint.dir) / "step_0", run_dirs=[Path(cfg.run_dir)]))
+            check_replaceable(out, overwrite=True)
+        except ValueError as e:
+            raise ValueError(f"export.dir={out} (export.on_finish): {e}") from None

@@ -14,10 +14,12 @@ from fsdpkit import __version__, dist
 from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, find_checkpoint
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets
+from fsdpkit.data.tokenizer import tokenizer_size
 from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
 from fsdpkit.export import export_checkpoint, load_hf_weights
 from fsdpkit.log import get_logger, setup_logging
-from fsdpkit.model import vocab_size
+from fsdpkit.model import grow_vocab, vocab_size
+from fsdpkit.model.peft import peft_base_name
 from fsdpkit.parallel import ShardingPlan, build_sharded_model
 from fsdpkit.train.determinism import enable_determinism, seed_everything
 from fsdpkit.train.loop import Trainer
@@ -49,9 +51,13 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
     check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
     init_from = cfg.model.init_from.removeprefix("hf:") if init else ""
-    model, plan = build_sharded_model(cfg, device, init=init and not init_from)
+    lora = cfg.model.peft.method == "lora"
+    grown = resize_vocab_to_tokenizer(cfg)
+    # LoRA adapters and grown vocabulary rows are not in the base model's folder: they get their
+    # own init, the rest is loaded.
+    model, plan = build_sharded_model(cfg, device, init=init and (lora or grown or not init_from))
     if init_from:
-        loaded = load_hf_weights(model, init_from)
+        loaded = load_hf_weights(model, init_from, rename=peft_base_name if lora else None, grow_rows=grown)
         log.info("initialised %d tensors from %s in %.2f s (rank 0 read %.1f MiB: its own slices)",
                  loaded["loaded"], init_from, loaded["seconds"], loaded["bytes_read"] / 2**20)
     log.info(precision_note(cfg, plan))
@@ -63,7 +69,7 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     tensorboard = TensorBoardWriter.open(cfg.logging.tensorboard_dir) if cfg.logging.tensorboard else None
     train_data, val_data = build_datasets(cfg.data, vocab_size=vocab_size(model), seed=cfg.seed)
     sampler = GlobalSampler(num_samples=len(train_data), global_batch_size=cfg.train.global_batch_size,
-                            seed=cfg.seed, shuffle=cfg.data.shuffle)
+                            seed=cfg.seed, shuffle=cfg.data.shuffle, fingerprint=getattr(train_data, "fingerprint", ""))
     t = cfg.train
     trainer = Trainer(
         model=model,
@@ -87,6 +93,17 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     return trainer, plan
 
 
+def resize_vocab_to_tokenizer(cfg: Config) -> bool:
+    """model.resize_to_tokenizer: grow the model's vocabulary to data.tokenizer's size (in the config,
+    before the model is built); returns whether the vocabulary is larger than configured."""
+    if not (cfg.model.resize_to_tokenizer and cfg.data.kind == "hf" and cfg.data.tokenizer):
+        return False
+    size = tokenizer_size(cfg.data.tokenizer)
+    if grow_vocab(cfg.model, size):
+        log.info("model vocabulary grown to %d rows for data.tokenizer (model.resize_to_tokenizer)", size)
+    return cfg.model.vocab_size == size
+
+
 def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *,
                         groups: CheckpointGroups | None = None) -> Checkpointer:
     """Give the trainer a Checkpointer (the public API) over its model, optimizer, scheduler and
@@ -98,9 +115,10 @@ def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *,
         "reshard_after_forward": plan.reshard_after_forward,
         "compiled": bool(plan.compiled),
     }
+    state = trainer.stateful()  # the trainer's list of what must survive a restart
     trainer.checkpointer = Checkpointer.from_config(
-        cfg.checkpoint, model=trainer.model, optimizer=trainer.optimizer, scheduler=trainer.scheduler,
-        state={"train": trainer.state, "data": trainer.sampler}, sharding=sharding,
+        cfg.checkpoint, model=trainer.model, optimizer=trainer.optimizer, scheduler=state.pop("scheduler"),
+        state=state, sharding=sharding,
         mesh={"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.mesh_dim_names or ())},
         config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
         state_dict_type=cfg.strategy.state_dict_type, on_event=trainer.metrics.write, groups=groups)
@@ -112,11 +130,14 @@ def run(cfg: Config) -> dict[str, Any]:
     device = dist.pick_device(cfg.device)
     if cfg.deterministic:
         enable_determinism()
-    dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type))
+    dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type), timeout_s=cfg.dist.timeout_s)
     setup_logging(cfg.log_level)
+    dist.start_watchdog(heartbeat_s=cfg.dist.heartbeat_s, slow_step_factor=cfg.dist.slow_step_factor)
     trainer, failed, found = None, True, None
+    peers = dist.new_peer_group(timeout_s=cfg.checkpoint.exception_timeout_s)
     try:
         seed_everything(cfg.seed, rank=dist.rank())
+        resize_vocab_to_tokenizer(cfg)  # before config.yaml is written: it records the grown size
         run_dir = Path(cfg.run_dir)
         dist.on_main(lambda: check_directories(cfg))  # every rank stops here, with rank 0's message
         if dist.is_main():
@@ -135,6 +156,10 @@ def run(cfg: Config) -> dict[str, Any]:
             log.info("done: %s", json.dumps(summary))
             log.info("run directory: %s (metrics: %s)", run_dir.resolve(), (run_dir / METRICS_FILE).resolve())
         failed = False
+    except Exception as e:
+        if dist.lost_a_peer(e):
+            report_lost_peers(peers, timeout_s=cfg.checkpoint.exception_timeout_s)
+        raise
     finally:
         if trainer is not None and trainer.checkpointer is not None:
             trainer.checkpointer.close(wait=False)  # the lock and signal handlers (a no-op after fit)
@@ -150,10 +175,28 @@ def run(cfg: Config) -> dict[str, Any]:
     return summary
 
 
+def report_lost_peers(group: Any, *, timeout_s: float) -> None:
+    """After a collective failed: name the ranks that no longer answer, so that the survivors' logs
+    say which node to look at (torch's launcher only lists its own, surviving, ranks as failed)."""
+    lost = dist.unresponsive_ranks(group, timeout_s=timeout_s)
+    if lost:
+        log.error("lost rank(s) %s: no answer within checkpoint.exception_timeout_s=%s s after a collective failed "
+                  "(their process or node died, or they are stuck); rank %d stops too. Check the node(s) and logs of "
+                  "rank(s) %s, then rerun the same command on every node to resume from the last committed checkpoint",
+                  ", ".join(map(str, lost)), timeout_s, dist.rank(), ", ".join(map(str, lost)))
+
+
 def export_final(cfg: Config) -> dict[str, Any]:
     """Export the final checkpoint's weights as configured under `export` (one process). It
     replaces only an earlier export there and never overlaps the checkpoints or the run directory."""
     e = cfg.export
+    if cfg.model.peft.method == "lora":  # a model anyone can load: the adapters merged in
+        from fsdpkit.export.adapter import export_merged
+
+        report = export_merged(Path(cfg.checkpoint.dir), Path(e.dir), dtype=e.dtype, overwrite=True,
+                               run_dirs=[cfg.run_dir])
+        log.info("exported the final weights, LoRA merged, to %s", e.dir)
+        return report
     report = export_checkpoint(Path(cfg.checkpoint.dir), Path(e.dir), dtype=e.dtype, fmt=e.format,
                                max_shard_size=e.max_shard_size, overwrite=True, run_dirs=[cfg.run_dir])
     log.info("exported the final weights to %s (%s)", e.dir, report.get("dtype_note") or e.dtype)
