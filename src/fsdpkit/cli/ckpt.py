@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from typing import Any
 
 from fsdpkit.config.paths import refuse_url
 from fsdpkit.export.tunables import DEFAULT_MAX_SHARD_SIZE, VERIFY_THREADS
 
 CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp), a checkpoints or run directory "
-                  "(its `latest` is used), a Hugging Face folder or a .safetensors file")
+                  "(its `latest` is used), an Accelerate save_state folder (its pytorch_model_fsdp_0/), a folder of "
+                  "step directories (the newest by the number in its name), a Hugging Face folder or a .safetensors file")
 
 EXPORT_HELP = """\
 Write a checkpoint's model weights as safetensors, streaming: tensors are read from the shards a
@@ -24,12 +26,16 @@ DCP file is first checked to hold every byte range its metadata lists.
 
 --format hf (default): OUT is a directory with model.safetensors, or model-0000X-of-0000N
 .safetensors shards and model.safetensors.index.json when the weights exceed --max-shard-size,
-plus config.json and generation_config.json when the checkpoint records its run config (fsdpkit
-checkpoints), so that transformers.AutoModelForCausalLM.from_pretrained(OUT) loads it. A tied
-lm_head is written once, as transformers expects. --format single: OUT is one .safetensors file.
+plus config.json and generation_config.json: from --config, or from the run config an fsdpkit
+checkpoint records, so that transformers.AutoModelForCausalLM.from_pretrained(OUT) loads it. A
+tied lm_head (tied in the config, or equal to the embedding) is written once, as transformers
+expects. --format single: OUT is one .safetensors file.
 
 Names: wrapper components (_orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.,
-leading module.) are removed; --strip-prefix/--add-prefix adapt other layouts.
+leading module.) are removed. A prefix every name shares that is not the model's (Lightning's
+`model.`) is stripped, with a line saying so: judged against the names of the model --config
+describes (transformers builds it on the meta device), else by the common first component;
+--strip-prefix '' keeps names as they are, --strip-prefix/--add-prefix adapt other layouts.
 
 LoRA runs (model.peft.method=lora): --adapter writes a PEFT adapter folder (adapter_model.safetensors,
 adapter_config.json) that peft.PeftModel.from_pretrained(base_model, OUT) loads; --merge writes the
@@ -40,6 +46,8 @@ examples:
   fsdpkit ckpt export runs/sft/checkpoints sft-adapter --adapter
   fsdpkit ckpt export runs/sft/checkpoints sft-merged --merge --dtype bf16
   fsdpkit ckpt export runs/demo/checkpoints/step_200 demo-bf16 --dtype bf16 --max-shard-size 2GB
+  fsdpkit ckpt export accelerate_out/checkpoints exported/acc --config path/to/hf_model_folder
+  fsdpkit ckpt export lightning_logs/version_0/checkpoints exported/pl --config config.json
   fsdpkit ckpt export other_tool_dcp_dir weights.safetensors --format single --namespace ''
 """
 
@@ -63,11 +71,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"largest output file of --format hf, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})")
     e.add_argument("--format", dest="fmt", choices=["hf", "single"], default="hf",
                    help="hf: a Hugging Face folder (default); single: one .safetensors file")
+    e.add_argument("--config", default=None, metavar="FILE_OR_DIR",
+                   help="the model's config.json or Hugging Face folder: written into OUT (with generation_config.json "
+                        "when beside it); names and tied weights are checked against the model it describes")
     e.add_argument("--namespace", default=None, metavar="NAME",
                    help="top-level state-dict entry holding the model in a plain DCP checkpoint (default: `model` "
-                        "if present, else the top-level tensors); '' for model keys at the top level")
+                        "if present, else the top-level tensors); '' for model keys at the top level. Optimizer "
+                        "state (optimizer, optim, ...) only with --format single, into a file not named model*")
     e.add_argument("--strip-prefix", action="append", default=[], metavar="PREFIX",
-                   help="remove PREFIX from names that start with it (repeatable), after wrapper components")
+                   help="remove PREFIX from names that start with it (repeatable), after wrapper components; "
+                        "'' turns off the detection of a prefix that is not the model's")
     e.add_argument("--add-prefix", default="", metavar="PREFIX", help="prepend PREFIX to every name, last")
     e.add_argument("--reader", choices=["direct", "dcp"], default="direct",
                    help="direct: read chunk byte ranges (default); dcp: through dcp.load one tensor at a time "
@@ -77,6 +90,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "plus the index and config files an export writes, nothing else), once the new export is "
                         "complete; anything else at OUT is never deleted: the export is refused")
     e.add_argument("--no-config", action="store_true", help="do not write config.json/generation_config.json")
+    e.add_argument("--verbose", action="store_true", help="show torch's own warnings (hidden by default)")
     e.add_argument("--verify", action="store_true",
                    help="recompute every file checksum of an fsdpkit checkpoint first (default: check presence and sizes)")
     e.add_argument("--json", action="store_true", help="print the export report as JSON")
@@ -156,13 +170,20 @@ def _export(args: argparse.Namespace) -> int:
         raise ValueError(f"{args.ckpt} is a LoRA run (model.peft.method=lora): its weights carry peft's layer names, which "
                          "no model loads; pass --merge for the merged model or --adapter for the PEFT adapter")
 
-    report = export_checkpoint(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size, fmt=args.fmt,
-                               namespace=args.namespace, strip_prefixes=args.strip_prefix, add_prefix=args.add_prefix,
-                               reader=args.reader, overwrite=args.overwrite, write_config=not args.no_config,
-                               verify=args.verify)
+    if args.no_config and args.config:
+        raise ValueError("--config and --no-config contradict each other; pass one")
+    with warnings.catch_warnings():
+        if not args.verbose:  # dcp.load's notes on a process-group-less load are torch's business, not the user's
+            warnings.simplefilter("ignore")
+        report = export_checkpoint(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                                   fmt=args.fmt, namespace=args.namespace, strip_prefixes=args.strip_prefix,
+                                   add_prefix=args.add_prefix, reader=args.reader, overwrite=args.overwrite,
+                                   write_config=not args.no_config, config=args.config, verify=args.verify)
     if args.json:
         _print_json(report)
         return 0
+    for note in report["notes"]:
+        print(note)
     step = f" (step {report['step']})" if report["step"] is not None else ""
     print(f"exported {report['num_tensors']} tensors, {report['total_size'] / 2**20:.2f} MiB, from {report['source']}{step} "
           f"to {report['out']} in {report['seconds']:.2f} s")
@@ -199,6 +220,8 @@ def _verify(args: argparse.Namespace) -> int:
         _print_json(report)
     else:
         checked = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in report["checked"].items())
+        for note in report["notes"]:
+            print(note)
         print(f"{report['path']} ({report['kind']}): checksums {report['checksums']}; checked {checked or 'nothing'}")
         for problem in report["problems"]:
             print(f"  BAD: {problem}")

@@ -28,13 +28,13 @@ from fsdpkit.export.destination import protected_paths
 from fsdpkit.export.exporter import (
     _check_destination,
     _check_integrity,
-    _drop_tied_head,
     _out_dtype,
     _publish,
     _write_hf_configs,
     parse_dtype,
 )
 from fsdpkit.export.keys import model_weights
+from fsdpkit.export.naming import drop_tied
 from fsdpkit.export.safetensors_io import SINGLE_FILE, StreamingSafetensorsWriter
 from fsdpkit.export.sources import OpenedCheckpoint, open_checkpoint
 from fsdpkit.model.peft import ADAPTER, is_lora_name, lora_config, peft_base_name
@@ -157,7 +157,7 @@ def export_merged(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         names = _model_names(opened)
         scale = float(settings.alpha) / int(settings.r)
         base = {peft_base_name(n): k for n, k in names.items() if not is_lora_name(n)}
-        dropped = _drop_tied_head(base, opened)
+        dropped = drop_tied(base, opened, None)
         adapters = {n.split(".lora_", 1)[0]: None for n in names if is_lora_name(n)}
 
         def merged(name: str, key: str) -> torch.Tensor:
@@ -172,7 +172,8 @@ def export_merged(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         out_dtypes = {n: _out_dtype(infos[k].dtype, target) for n, k in base.items()}
         tensors = [(n, infos[k].shape, out_dtypes[n], lambda n=n, k=k: merged(n, k)) for n, k in base.items()]
         _write(tmp, SINGLE_FILE, tensors)
-        config = _write_hf_configs(tmp, opened, target=target, out_dtypes=out_dtypes) if write_config else ""
+        config = (_write_hf_configs(tmp, opened, target=target, out_dtypes=out_dtypes, model_config=None, out=out)
+                  if write_config else "")
         return {"files": sorted(p.name for p in tmp.iterdir()), "num_tensors": len(tensors), "merged": len(adapters),
                 "scale": scale, "dropped": dropped, "config": config}
 

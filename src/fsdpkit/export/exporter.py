@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from fsdpkit import __version__
-from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.layout import fsync_dir
 from fsdpkit.checkpoint.manifest import check_files_present, dtype_name
 from fsdpkit.checkpoint.resume import verify_files
@@ -34,8 +34,10 @@ from fsdpkit.export.destination import (
     exported_by_value,
     protected_paths,
 )
-from fsdpkit.export.hf_config import hf_configs, is_tied
-from fsdpkit.export.keys import model_weights
+from fsdpkit.export.hf_config import hf_configs
+from fsdpkit.export.keys import is_non_model_namespace
+from fsdpkit.export.model_config import CONFIG_HINT, ModelConfig, config_files, load_model_config
+from fsdpkit.export.naming import plan_names
 from fsdpkit.export.safetensors_io import (
     INDEX_FILE,
     SINGLE_FILE,
@@ -56,7 +58,6 @@ from fsdpkit.export.verification import extent_problems
 FORMATS = ("hf", "single")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
           "fp32": torch.float32, "float32": torch.float32}
-TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 
 
 def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
@@ -81,6 +82,7 @@ def export_checkpoint(
     reader: str = "direct",
     overwrite: bool = False,
     write_config: bool = True,
+    config: str | os.PathLike | None = None,
     verify: bool = False,
     block_bytes: int = BLOCK_BYTES,
     run_dirs: Sequence[str | os.PathLike] = (),
@@ -89,7 +91,8 @@ def export_checkpoint(
 
     Args:
         ckpt: an fsdpkit checkpoint (sharded or `state_dict_type=full`), a checkpoints or run
-            directory (its `latest` is used), a plain DCP directory or a safetensors folder/file.
+            directory (its `latest` is used), a plain DCP directory, an Accelerate save_state
+            folder, a folder of step directories (the newest is used) or a safetensors folder/file.
         out: `fmt="hf"`: a directory that gets `model.safetensors` (or `model-0000X-of-0000N`
             shards and `model.safetensors.index.json` above `max_shard_size`), plus `config.json`
             and `generation_config.json` when the run config is known. `fmt="single"`: one file.
@@ -97,12 +100,18 @@ def export_checkpoint(
             None keeps what the checkpoint stores (fp32 master weights for fsdpkit runs).
         max_shard_size: bytes or a size such as `5GB` (hf format only).
         namespace, strip_prefixes, add_prefix: which tensors are the model's and how to rename
-            them (see fsdpkit.export.keys); wrapper components are always removed.
+            them (see fsdpkit.export.keys); wrapper components are always removed. Without
+            strip_prefixes or add_prefix, a prefix that is not the model's is detected and
+            stripped (fsdpkit.export.naming); strip_prefixes=[""] turns that off. A namespace of
+            optimizer state is refused for fmt="hf" (it would pass for model weights).
         reader: `direct` (byte ranges) or `dcp` (through dcp.load) for DCP checkpoints.
         overwrite: replace an existing `out`, only once the new export is complete, and only when
             it is an earlier fsdpkit export (see fsdpkit.export.destination); anything else there
             is never deleted.
         write_config: write config.json/generation_config.json (hf format, when the run config is known).
+        config: a Hugging Face config.json or model folder: its config.json (and
+            generation_config.json) are written into the export, and the names are checked against
+            (and tied tensors written as in) the model transformers builds from it.
         verify: first recompute every file checksum of an fsdpkit checkpoint (one more read of
             it); without it, every file is only checked to be present and long enough: with its
             recorded size (fsdpkit) or holding every byte range the DCP metadata lists (any DCP).
@@ -122,16 +131,19 @@ def export_checkpoint(
     target = parse_dtype(dtype)
     shard_limit = parse_size(max_shard_size)
     out = Path(out)
+    part = _check_namespace(namespace, fmt=fmt, out=out)
+    if config is not None and fmt != "hf":
+        raise ValueError("--config writes config.json into a Hugging Face folder: use it with --format hf")
+    model_config = load_model_config(config) if config is not None else None
     t0 = time.perf_counter()
-    with open_checkpoint(ckpt, reader=reader) as opened:
+    with open_checkpoint(ckpt, reader=reader, part=part) as opened:
         _check_destination(out, fmt=fmt, overwrite=overwrite,
                            protected=protected_paths(opened.path, run_dirs=[Path(d) for d in run_dirs]))
         _check_integrity(opened, verify=verify)
         tensors = opened.source.tensors()
-        names = model_weights(list(tensors), key_paths=opened.source.key_paths, namespace=namespace,
-                              structured=opened.kind in ("fsdpkit", "dcp"), strip_prefixes=tuple(strip_prefixes),
-                              add_prefix=add_prefix)
-        dropped = _drop_tied_head(names, opened)
+        plan = plan_names(opened, namespace=namespace, strip_prefixes=tuple(strip_prefixes), add_prefix=add_prefix,
+                          model_config=model_config)
+        names, dropped = plan.names, plan.dropped
         out_dtypes = {name: _out_dtype(tensors[key].dtype, target) for name, key in names.items()}
         sizes = [(name, TensorInfo(tensors[key].shape, out_dtypes[name]).nbytes) for name, key in names.items()]
         total = sum(n for _, n in sizes)
@@ -145,7 +157,8 @@ def export_checkpoint(
                 if len(groups) > 1:
                     weight_map = {name: file for group, file in zip(groups, files, strict=True) for name in group}
                     _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-                config_note = (_write_hf_configs(tmp, opened, target=target, out_dtypes=out_dtypes) if write_config
+                config_note = (_write_hf_configs(tmp, opened, target=target, out_dtypes=out_dtypes,
+                                                 model_config=model_config, out=out) if write_config
                                else "config.json not written (write_config=False)")
                 fsync_dir(tmp)
             _publish(tmp, out, overwrite=overwrite)
@@ -171,6 +184,7 @@ def export_checkpoint(
             "source_dtypes": dict(Counter(dtype_name(tensors[k].dtype) for k in names.values())),
             "dtype_note": _dtype_note(opened, target, {tensors[k].dtype for k in names.values()}),
             "dropped": dropped,
+            "notes": [*opened.notes, *plan.notes, *([model_config.note] if model_config and model_config.note else [])],
             "config": config_note,
             "seconds": seconds,
             "read_bytes": read_bytes,
@@ -217,31 +231,6 @@ def _check_destination(out: Path, *, fmt: str, overwrite: bool, protected: list[
 
 def _out_dtype(stored: torch.dtype, target: torch.dtype | None) -> torch.dtype:
     return target if target is not None and stored.is_floating_point else stored
-
-
-def _drop_tied_head(names: dict[str, str], opened: OpenedCheckpoint) -> list[str]:
-    """Write a tied lm_head once, under its embedding's name, as transformers expects.
-
-    The twin is `model.embed_tokens.weight` (Llama) or, for other architectures, the tensor with
-    lm_head's shape and checksum in the manifest.
-    """
-    model_cfg = ((opened.manifest or {}).get("config") or {}).get("model")
-    if not is_tied(model_cfg) or TIED_HEAD not in names:
-        return []
-    hashes = (opened.manifest or {}).get("tensors") or {}
-    head = hashes.get(names[TIED_HEAD], {})
-    twin = TIED_EMBEDDING if TIED_EMBEDDING in names else next(
-        (n for n, k in names.items() if n != TIED_HEAD and head and hashes.get(k) == head), None)
-    if twin is None:
-        return []
-    other = hashes.get(names[twin], {}).get("hash")
-    if head.get("hash") and other and head["hash"] != other:
-        raise CheckpointMismatchError(
-            f"{opened.path}: the run config ties embeddings but {names[TIED_HEAD]} and {names[twin]} differ "
-            f"(checksums {head['hash']} and {other}); the checkpoint does not match its config"
-        )
-    del names[TIED_HEAD]
-    return [f"{TIED_HEAD} (tied to {twin}: written once, as transformers expects)"]
 
 
 class _BlockBuffers:
@@ -339,15 +328,33 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
+def _check_namespace(namespace: str | None, *, fmt: str, out: Path) -> str:
+    """The part of an Accelerate folder to read; refuses to pass optimizer state off as weights."""
+    if namespace is None or not is_non_model_namespace(namespace):
+        return "model"
+    if fmt == "hf":
+        raise ValueError(f"--namespace {namespace} selects optimizer (or other non-model) state, but --format hf writes "
+                         "model.safetensors, which transformers would load as the model's weights; write it to a file "
+                         f"of its own: --format single {out.with_suffix('')}-{namespace}.safetensors")
+    if out.name.startswith("model"):
+        raise ValueError(f"--namespace {namespace}: {out.name} would pass for model weights; name the file after what it "
+                         f"holds, e.g. {out.with_name(f'{namespace}.safetensors')}")
+    return "optimizer" if namespace.startswith("optim") else "model"
+
+
 def _write_hf_configs(folder: Path, opened: OpenedCheckpoint, *, target: torch.dtype | None,
-                      out_dtypes: dict[str, torch.dtype]) -> str:
-    model_cfg = ((opened.manifest or {}).get("config") or {}).get("model")
-    if not model_cfg:
-        return ("config.json not written: a plain DCP checkpoint carries no run config; copy the config.json of the "
-                "model it was trained from")
+                      out_dtypes: dict[str, torch.dtype], model_config: ModelConfig | None, out: Path) -> str:
     floating = [d for d in out_dtypes.values() if d.is_floating_point]
     dtype = target or (Counter(floating).most_common(1)[0][0] if floating else torch.float32)
-    config, generation, note = hf_configs(model_cfg, dtype=dtype)
+    if model_config is not None:
+        config, generation = config_files(model_config, dtype=dtype)
+        note = f"config.json{' and generation_config.json' if generation else ''} written from {model_config.path}"
+    else:
+        model_cfg = ((opened.manifest or {}).get("config") or {}).get("model")
+        if not model_cfg:
+            return ("config.json not written: this checkpoint carries no model config, so transformers cannot load "
+                    "the export yet; " + CONFIG_HINT.format(out=out))
+        config, generation, note = hf_configs(model_cfg, dtype=dtype)
     if config is not None:
         _write_json(folder / "config.json", config)
     if generation is not None:

@@ -153,6 +153,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
         trainer = manifest.get("trainer") or {}
         report: dict[str, Any] = {
             "path": str(opened.path),
+            "notes": opened.notes,
             "kind": opened.kind,
             "committed": opened.manifest is not None,
             "format_version": manifest.get("format_version"),
@@ -181,7 +182,7 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 def render_text(report: dict[str, Any], *, all_tensors: bool = False) -> str:
     """The human-readable form of `inspect_checkpoint`'s report."""
-    lines = [f"checkpoint  {report['path']}", f"kind        {report['kind']}" + ("" if report["committed"] or report["kind"] != "dcp"
+    lines = [*report.get("notes", []), f"checkpoint  {report['path']}", f"kind        {report['kind']}" + ("" if report["committed"] or report["kind"] != "dcp"
                                                                               else " (no fsdpkit manifest)")]
     for label, key in (("step", "step"), ("committed", "committed_at"), ("world size", "world_size"),
                        ("state dict", "state_dict_type"), ("format", "format_version"), ("dcp version", "dcp_version")):

@@ -1,14 +1,15 @@
 """Which tensors of a checkpoint are the model's weights, and under which names.
 
 DCP flattens a nested state dict into dotted keys and records each key's nested path in its
-metadata (`planner_data`): fsdpkit, Lightning and Accelerate save `{"model": ..., "optim"...}`
-(path `('model', 'lm_head.weight')`), torchtitan saves the model's keys at the top level
-(path `('lm_head.weight',)`). The path tells the two apart even when a model FQN itself starts
+metadata (`planner_data`): fsdpkit, Accelerate and Lightning Fabric save `{"model": ..., "optim"...}`
+(path `('model', 'lm_head.weight')`), Lightning's Trainer `{"state_dict": ..., "optimizer_0": ...}`,
+torchtitan saves the model's keys at the top level (path `('lm_head.weight',)`). The path tells the two apart even when a model FQN itself starts
 with `model.`, which a prefix test could not. Names are then cleaned of wrapper components.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 # Module-wrapper components that torch inserts into FQNs (compile, FSDP1, activation
@@ -21,7 +22,15 @@ NON_MODEL_NAMESPACES = frozenset({
     "optim", "optimizer", "optimizers", "optimizer_states", "rng", "lr_scheduler", "lr_schedulers", "scheduler",
     "dataloader", "train_state", "trainer", "loops", "callbacks",
 })
-MODEL_NAMESPACE = "model"
+# Top-level entries holding the model, in order of preference: fsdpkit, Accelerate, Fabric;
+# Lightning's Trainer (ModelParallelStrategy/FSDPStrategy sharded checkpoints).
+MODEL_NAMESPACES = ("model", "state_dict")
+_NUMBERED_OPTIMIZER = re.compile(r"optim(izer)?_\d+")  # Lightning's Trainer: optimizer_0, ...
+
+
+def is_non_model_namespace(top: str) -> bool:
+    """Whether a top-level state-dict entry holds something other than model weights."""
+    return top in NON_MODEL_NAMESPACES or bool(_NUMBERED_OPTIMIZER.fullmatch(top))
 
 
 def clean_name(name: str, *, strip_prefixes: tuple[str, ...] = (), add_prefix: str = "") -> str:
@@ -56,7 +65,7 @@ def model_weights(keys: list[str], *, key_paths: dict[str, tuple[Any, ...]] | No
         key_paths: DCP's nested path per key, if known.
         namespace: the top-level state-dict entry holding the model (`model` for fsdpkit);
             `""` for a flat layout (every tensor outside NON_MODEL_NAMESPACES); None: decide
-            from the paths (`model` if present, else flat).
+            from the paths (the first of MODEL_NAMESPACES present, else flat).
         structured: False for sources without namespaces (safetensors): every key is a weight.
     Raises:
         ValueError: nothing selected, an undecidable layout, or two keys cleaning to one name.
@@ -67,9 +76,9 @@ def model_weights(keys: list[str], *, key_paths: dict[str, tuple[Any, ...]] | No
         split = {k: split_namespace(k, key_paths) for k in keys}
         tops = sorted({top for top, _ in split.values()})
         if namespace is None:
-            if MODEL_NAMESPACE in tops:
-                namespace = MODEL_NAMESPACE
-            elif not [t for t in tops if t and t not in NON_MODEL_NAMESPACES]:
+            if present := [n for n in MODEL_NAMESPACES if n in tops]:
+                namespace = present[0]
+            elif not [t for t in tops if t and not is_non_model_namespace(t)]:
                 namespace = ""
             else:
                 raise ValueError(
@@ -80,7 +89,7 @@ def model_weights(keys: list[str], *, key_paths: dict[str, tuple[Any, ...]] | No
             selected = {k: rest for k, (top, rest) in split.items() if top == namespace}
         else:
             selected = {k: (f"{top}.{rest}" if top else rest) for k, (top, rest) in split.items()
-                        if top not in NON_MODEL_NAMESPACES}
+                        if not is_non_model_namespace(top)}
         if not selected:
             raise ValueError(f"no tensors under the namespace {namespace!r}; the checkpoint's top-level entries are "
                              f"{tops} (pass one of them with --namespace)")

@@ -33,8 +33,8 @@ from fsdpkit.checkpoint.safe_io import (
 )
 from fsdpkit.export.locate import (
     is_uncommitted_fsdpkit_dir,
+    locate_checkpoint,
     not_committed_message,
-    resolve_checkpoint_dir,
 )
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
 from fsdpkit.export.torch_save import FileWindow, TensorPayload, locate_tensor
@@ -417,12 +417,14 @@ class OpenedCheckpoint:
         self.close()
 
 
-def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct") -> OpenedCheckpoint:
+def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct", part: str = "model") -> OpenedCheckpoint:
     """Open any supported checkpoint for reading (nothing is unpickled except through the
-    allow-lists of fsdpkit.checkpoint.safe_io and torch_save).
+    allow-lists of fsdpkit.checkpoint.safe_io and torch_save). `notes` say what was picked
+    (an Accelerate folder's part, the newest of several step directories).
 
     Args:
         reader: for DCP checkpoints, `direct` (byte ranges, the default) or `dcp` (`dcp.load`).
+        part: `model` or `optimizer`: which directory of an Accelerate save_state folder.
     Raises:
         FileNotFoundError: no checkpoint at `path`.
         CheckpointError: an fsdpkit checkpoint that was never committed, a `latest` pointer that
@@ -430,19 +432,21 @@ def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct") -> Opene
     """
     if reader not in ("direct", "dcp"):
         raise ValueError(f"reader must be `direct` or `dcp`, got {reader!r}")
-    p = resolve_checkpoint_dir(path)
+    located = locate_checkpoint(path, part=part)
+    p, notes = located.path, located.notes
     if is_uncommitted_fsdpkit_dir(p):
         raise CheckpointError(not_committed_message(p))
     if p.is_file():
-        return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p, files=[p]))
+        return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p, files=[p]), notes=notes)
     if (p / MANIFEST).is_file():
         manifest = read_manifest(p)
         if manifest.get("state_dict_type", "sharded") == "full":
-            return OpenedCheckpoint(p, "fsdpkit-full", SafetensorsSource(p, files=[p / FULL_MODEL_FILE]), manifest)
-        return OpenedCheckpoint(p, "fsdpkit", _dcp_source(p, reader), manifest)
+            return OpenedCheckpoint(p, "fsdpkit-full", SafetensorsSource(p, files=[p / FULL_MODEL_FILE]), manifest,
+                                    notes=notes)
+        return OpenedCheckpoint(p, "fsdpkit", _dcp_source(p, reader), manifest, notes=notes)
     if (p / METADATA_FILENAME).is_file():
-        return OpenedCheckpoint(p, "dcp", _dcp_source(p, reader))
-    return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p))
+        return OpenedCheckpoint(p, "dcp", _dcp_source(p, reader), notes=notes)
+    return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p), notes=notes)
 
 
 def _dcp_source(p: Path, reader: str) -> Any:

@@ -34,10 +34,12 @@ from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.resume import verify_files
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, read_dcp_metadata
 from fsdpkit.export.locate import (
+    ACCELERATE_MODEL,
     LatestPointerError,
+    accelerate_part,
     is_uncommitted_fsdpkit_dir,
+    locate_checkpoint,
     not_committed_message,
-    resolve_checkpoint_dir,
 )
 from fsdpkit.export.safetensors_io import INDEX_FILE, read_header, safetensors_files
 from fsdpkit.export.sources import Chunk, DcpSource, chunk_problems, iter_row_blocks
@@ -202,15 +204,29 @@ def verify_checkpoint(path: str | os.PathLike, *, threads: int = VERIFY_THREADS,
     Raises:
         FileNotFoundError: nothing checkpoint-like at `path`.
     """
+    try:
+        located = locate_checkpoint(path)
+    except LatestPointerError as exc:
+        return {"path": str(path), "kind": "fsdpkit", "ok": False, "problems": [str(exc)], "bad_files": [LATEST],
+                "checked": {}, "checksums": "none: no checkpoint to check", "notes": []}
+    report = _verify_one(located.path, threads=threads, tensors=tensors)
+    optimizer = accelerate_part(located.path.parent, "optimizer")
+    if located.path.name == ACCELERATE_MODEL.format(0) and optimizer is not None:  # Accelerate: its optimizer too
+        other = _verify_one(optimizer, threads=threads, tensors=tensors)
+        report["problems"] += other["problems"]
+        report["bad_files"] += [f"{optimizer.name}/{f}" for f in other["bad_files"]]
+        report["checked"] = {k: report["checked"].get(k, 0) + other["checked"].get(k, 0)
+                             for k in report["checked"].keys() | other["checked"].keys()}
+        report["ok"] = report["ok"] and other["ok"]
+        report["path"] = f"{located.path} and {optimizer}"
+    report["notes"] = located.notes
+    return report
+
+
+def _verify_one(ckpt: Path, *, threads: int, tensors: bool) -> dict[str, Any]:
     problems = _Problems()
     checked: dict[str, int] = {}
     checksums = "none recorded"
-    try:
-        ckpt = resolve_checkpoint_dir(path)
-    except LatestPointerError as exc:
-        problems.add(LATEST, str(exc))
-        return {"path": str(path), "kind": "fsdpkit", "ok": False, "problems": [t for _, t in problems.items],
-                "bad_files": problems.bad_files(), "checked": checked, "checksums": "none: no checkpoint to check"}
     if is_uncommitted_fsdpkit_dir(ckpt):
         kind = "fsdpkit"
         checksums = "none: the checkpoint was never committed"
