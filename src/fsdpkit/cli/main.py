@@ -28,8 +28,9 @@ override), ~key (delete: the schema default applies), experiment=[a,b] (compose 
 in order). The config is validated before any process starts.
 
 exit codes: 0 trained to train.max_steps (or train.stop_at); 75 stopped by a preemption signal
-after committing a checkpoint (run the same command to resume); 1 training failed; 2 a config or
-checkpoint error, before training.
+after committing a checkpoint (run the same command to resume); 1 training failed; 2 a clear
+error (a setting, a path, a checkpoint refused or not found, a save that failed: the message says
+which and what to do).
 
 examples:
   fsdpkit train experiment=demo
