@@ -224,6 +224,8 @@ class Trainer:
             # A set-up mistake found by the diagnostics is no state worth saving.
             if self.checkpointer is not None and not isinstance(e, FSDPContractError):
                 self.checkpointer.on_exception(e, boundary_step=self.boundary_step())
+            if self.checkpointer is not None:
+                self.checkpointer.close(wait=False)  # the run is over: release the directory and signals
             raise
         finally:
             progress.close()
