@@ -94,7 +94,8 @@ def test_transformers_loads_the_export_exactly(work, variant):
         assert ("lm_head.weight" in f.keys()) == (not tied)  # a tied head is written once
     assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) == tied
     report = json.loads((out.parent / f"{out.name}.report.json").read_text())
-    assert report["dropped"] == (["lm_head.weight (tied to model.embed_tokens.weight: written once, as transformers expects)"]
+    assert report["dropped"] == (["lm_head.weight (tied in the run config: the same tensor as model.embed_tokens.weight, written once, as "
+                                  "transformers expects)"]
                                  if tied else [])
     assert report["dtypes"] == {"float32": report["num_tensors"]} and "as stored in the checkpoint" in report["dtype_note"]
 
