@@ -230,16 +230,24 @@ def _where_it_failed(run: Path) -> str:
     return "manifest" if (d / ".metadata").exists() else "shard"
 
 
+def _stopped_run(ctx: Context, name: str, rng: random.Random) -> tuple[Path, int, str | None]:
+    """A run stopped at a random even step (committed checkpoints there and 2 steps before):
+    (run, stop, why it failed or None)."""
+    run = ctx.work / name
+    stop = rng.choice(range(4, MAX_STEPS - 2, 2))
+    job = Job(run, f"train.stop_at={stop}")
+    rc = job.finish()
+    return run, stop, None if rc == 0 else f"the first run exited {rc}: {_tail(job)}"
+
+
 # -- a corrupted checkpoint: the rerun must refuse it and resume from the one before --------------
 def corrupt(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
     """kind: bitflip (one bit of one shard) or truncate (a shard cut short)."""
     def case(trial: int, rng: random.Random, ctx: Context) -> Outcome:
-        run = ctx.work / f"corrupt_{kind}_{trial}"
         out = Outcome(case=f"corrupt shard: {kind}", trial=trial, seed=ctx.seed, ok=True)
-        stop = rng.choice(range(4, MAX_STEPS - 2, 2))
-        job = Job(run, f"train.stop_at={stop}")
-        if (rc := job.finish()) != 0:
-            return _fail(out, f"the first run exited {rc}: {_tail(job)}")
+        run, stop, failed = _stopped_run(ctx, f"corrupt_{kind}_{trial}", rng)
+        if failed:
+            return _fail(out, failed)
         victim = ckpt_root(run) / f"step_{stop}"
         shards = sorted(victim.glob("*.distcp"))
         shard = rng.choice(shards)
@@ -266,12 +274,10 @@ def fuzz(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
     def case(trial: int, rng: random.Random, ctx: Context) -> Outcome:
         from corruption import MUTATIONS  # tests/fuzz, on the path (see run.py)
 
-        run = ctx.work / f"fuzz_{kind.replace(' ', '_')}_{trial}"
         out = Outcome(case=f"fuzz: {kind}", trial=trial, seed=ctx.seed, ok=True)
-        stop = rng.choice(range(4, MAX_STEPS - 2, 2))
-        job = Job(run, f"train.stop_at={stop}")
-        if (rc := job.finish()) != 0:
-            return _fail(out, f"the first run exited {rc}: {_tail(job)}")
+        run, stop, failed = _stopped_run(ctx, f"fuzz_{kind.replace(' ', '_')}_{trial}", rng)
+        if failed:
+            return _fail(out, failed)
         what = MUTATIONS[kind](rng, ckpt_root(run) / f"step_{stop}", ckpt_root(run))
         out.detail = what
         done = _rerun_exact(ctx, run, out, expect_resume=stop if kind == "junk latest" else stop - 2)
