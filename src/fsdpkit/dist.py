@@ -173,7 +173,8 @@ def on_main(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None,
     and message) if it raised one of `errors`. Collective over `group`.
 
     For checks that one rank makes for all (the run directory, the checkpoint directory): every
-    rank stops at the same point with the same message; only rank 0 prints it (see `echoed`).
+    rank stops at the same point with the same message; only rank 0 prints it (the others' copy
+    carries `echoed = True`, which `fsdpkit`'s main reads).
     """
     outcome: tuple[bool, Any] = (True, None)
     if rank() == 0:
@@ -192,11 +193,6 @@ def on_main(fn: Callable[[], T], *, group: dist.ProcessGroup | None = None,
     error = kind(message) if issubclass(kind, Exception) else RuntimeError(message)
     error.echoed = rank() != 0  # the same error rank 0 reports: other ranks stay quiet about it
     raise error
-
-
-def echoed(error: BaseException) -> bool:
-    """True for an error raised by `on_main` on a rank other than the one that reports it."""
-    return bool(getattr(error, "echoed", False))
 
 
 def new_peer_group(*, timeout_s: float) -> dist.ProcessGroup | None:
