@@ -4,11 +4,10 @@ Phases (run in this order by the tests, sharing WORK_DIR):
   ws2: exact same-world-size resume (fp32 and bf16, two resumes, mid-warmup, with accumulation),
        model-only loading, a fingerprint mismatch; saves the 2-rank checkpoint for elastic loads
   ws4: loads the 2-rank checkpoint (2->4); saves a 4-rank checkpoint
-  ws3: loads the 4-rank (4->3) and 2-rank (2->3) checkpoints
   ws2b: loads the 4-rank checkpoint (4->2)
-  ws4b: the last hop across meshes (see phase_meshes)
-Across meshes (sharding strategies): HSDP 2x2 saved on 4 ranks resumes under FULL_SHARD on 3 (ws3)
-and NO_SHARD on 2 (ws2b), whose checkpoint resumes back under HSDP 2x2 (ws4b); FULL_SHARD on 4
+  ws3: loads the 4-rank (4->3) and 2-rank (2->3) checkpoints
+Across meshes (sharding strategies): HSDP 2x2 saved on 4 ranks resumes under NO_SHARD on 2 (ws2b),
+whose own checkpoint resumes under FULL_SHARD on 3 (ws3), as does the HSDP one; FULL_SHARD on 4
 resumes under HSDP 2x2 (ws4).
 Every elastic load compares the restored full state with what was saved, bit for bit, and the
 losses that follow with the uninterrupted run.
@@ -139,12 +138,11 @@ def phase_meshes(phase: str, work: Path) -> dict:
         return {"src4_hsdp": session(work / "src4_hsdp", [*HSDP_2X2, "checkpoint.every_steps=6"], stop_at=6,
                                      dump_final_to=work / "dumps" / "saved_ws4_hsdp.pt"),
                 "fs4_to_hsdp": elastic_load(work, "src4", "fs4_to_hsdp", HSDP_2X2)}
-    if phase == "ws3":
-        return {"hsdp_to_fs3": elastic_load(work, "src4_hsdp", "hsdp_to_fs3")}
     if phase == "ws2b":
         return {"hsdp_to_noshard2": elastic_load(work, "src4_hsdp", "hsdp_to_noshard2", NO_SHARD, stop_at=9)}
-    if phase == "ws4b":
-        return {"noshard2_to_hsdp": elastic_load(work, "elastic_hsdp_to_noshard2", "noshard2_to_hsdp", HSDP_2X2, step=9)}
+    if phase == "ws3":
+        return {"hsdp_to_fs3": elastic_load(work, "src4_hsdp", "hsdp_to_fs3"),
+                "noshard2_to_fs3": elastic_load(work, "elastic_hsdp_to_noshard2", "noshard2_to_fs3", step=9)}
     return {}
 
 
@@ -168,8 +166,6 @@ def main() -> None:
         res = {"4to3": elastic_load(work, "src4", "4to3"), "2to3": elastic_load(work, "src2", "2to3")}
     elif phase == "ws2b":
         res = {"4to2": elastic_load(work, "src4", "4to2")}
-    elif phase == "ws4b":
-        res = {}
     else:
         raise SystemExit(f"unknown phase {phase}")
     res |= phase_meshes(phase, work)

@@ -23,7 +23,7 @@ def ckpt(tmp_path_factory):
     out = tmp_path_factory.mktemp("ckpt")
     work = out / "work"
     results: dict = {}
-    for phase, nproc in (("ws2", 2), ("ws4", 4), ("ws3", 3), ("ws2b", 2), ("ws4b", 4)):
+    for phase, nproc in (("ws2", 2), ("ws4", 4), ("ws2b", 2), ("ws3", 3)):
         torchrun(nproc, WORKER, phase, str(out / f"{phase}.json"), str(work))
         results.update(json.loads((out / f"{phase}.json").read_text()))
     return results, work
@@ -65,7 +65,7 @@ def test_elastic_resume_restores_state_bitwise_and_continues(ckpt, tag, source):
     [("fs4_to_hsdp", "saved_ws4", [2, 2], 7),  # FULL_SHARD on 4 -> HSDP 2x2
      ("hsdp_to_fs3", "saved_ws4_hsdp", [3], 7),  # HSDP 2x2 -> FULL_SHARD on 3
      ("hsdp_to_noshard2", "saved_ws4_hsdp", [2, 1], 7),  # HSDP 2x2 -> NO_SHARD on 2 (which saves at step 9)
-     ("noshard2_to_hsdp", "saved_hsdp_to_noshard2", [2, 2], 10)],  # ... and back under HSDP 2x2
+     ("noshard2_to_fs3", "saved_hsdp_to_noshard2", [3], 10)],  # ... and on to FULL_SHARD on 3
 )
 def test_resume_across_meshes_restores_state_bitwise_and_continues(ckpt, tag, saved, mesh, first):
     res, work = ckpt
