@@ -14,21 +14,18 @@ import pytest
 from fsdpkit.train.metrics import read_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_preemption import ENV, latest, rank_process, start, wait_for_step  # noqa: E402
+from test_preemption import latest, rank_process, start, wait_for_step  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 TIMEOUT_S, EXCEPTION_TIMEOUT_S = 10, 5
-# torch's launcher: SIGTERM, then SIGKILL after its shutdown timeout (30 s unless set; a stopped rank
-# ignores SIGTERM), set here through the variable torch reads so the test does not wait 30 s
-LAUNCHER_GRACE_S = 5
+LAUNCHER_GRACE_S = 30  # torch's launcher: SIGTERM, then SIGKILL after --shutdown_timeout (a stopped rank ignores SIGTERM)
 SLACK_S = 40  # start-up of the report, teardown and a loaded 2-core machine
 
 
 def test_stopped_rank_ends_the_job_within_the_bound_and_is_named(tmp_path):
     run = tmp_path / "run"
     proc = start(run, "checkpoint.async=false", "checkpoint.every_steps=5", f"dist.timeout_s={TIMEOUT_S}",
-                 f"checkpoint.timeout_s={TIMEOUT_S}", f"checkpoint.exception_timeout_s={EXCEPTION_TIMEOUT_S}",
-                 env={**ENV, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(LAUNCHER_GRACE_S)})
+                 f"checkpoint.timeout_s={TIMEOUT_S}", f"checkpoint.exception_timeout_s={EXCEPTION_TIMEOUT_S}")
     wait_for_step(proc, run, 7)
     ranks = [rank_process(proc, r) for r in (0, 1)]
     ranks[1].send_signal(signal.SIGSTOP)
