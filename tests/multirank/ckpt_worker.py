@@ -105,8 +105,10 @@ def phase_ws2(work: Path) -> dict:
     res["full_type_parts"] = [session(run, full_type + ["checkpoint.every_steps=6"], stop_at=6),
                               session(run, full_type + ["checkpoint.every_steps=6"])]
     res["full_type_files"] = sorted(p.name for p in (run / "checkpoints" / "step_6").iterdir())
-    res["ac_compile"] = session(work / "ac_compile", ["experiment=activation_checkpointing", "train.compile=true"],
-                                stop_at=8, resume=str(src / "checkpoints" / "step_6"))
+    # aot_eager: the same compiled-module wrapping as inductor without minutes of cold kernel builds
+    # (test_training compiles with inductor)
+    compiled = ["experiment=activation_checkpointing", "train.compile=true", "train.compile_backend=aot_eager"]
+    res["ac_compile"] = session(work / "ac_compile", compiled, stop_at=8, resume=str(src / "checkpoints" / "step_6"))
     res["src2_bf16"] = session(work / "src2_bf16", ["experiment=bf16", "checkpoint.every_steps=6"], stop_at=6)
     res["model_only"] = session(work / "model_only", ["checkpoint.resume_mode=model_only"], stop_at=2,
                                 resume=str(src / "checkpoints" / "step_6"))

@@ -76,3 +76,25 @@ def test_wrap_policy_typo_is_a_clear_error():
         matching_modules(model, ["fsdpkit.model.llama.LlamaDecoderLayr"], setting="policy.auto_wrap_policy")
     with pytest.raises(ValueError, match=r"matches no module of LlamaForCausalLM; the model's module classes are: .*fsdpkit\.model\.llama\.LlamaDecoderLayer"):
         matching_modules(model, ["torch.nn.TransformerEncoderLayer"], setting="policy.auto_wrap_policy")
+
+
+@pytest.mark.parametrize("fake_world", [(2, 0)], indirect=True)
+def test_compile_backend_is_used_and_an_unknown_one_is_a_clear_error(fake_world, monkeypatch):
+    backends = []
+    real_compile = torch.compile
+
+    def recording_compile(fn, **kwargs):
+        backends.append(kwargs.get("backend"))
+        return real_compile(fn, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", recording_compile)
+    cfg = compose_config(OVERRIDES + ["train.compile=true", "train.compile_backend=aot_eager"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    plan = apply_fsdp(model, cfg, mesh=build_mesh(cfg, torch.device("cpu")))
+    assert len(plan.compiled) == len(model.model.layers) > 0 and backends == ["aot_eager"] * len(plan.compiled)
+    cfg = compose_config(OVERRIDES + ["train.compile=true", "train.compile_backend=inductr"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    with pytest.raises(ValueError, match=r"train.compile_backend='inductr' is not a torch.compile backend; use one of .*inductor"):
+        apply_fsdp(model, cfg, mesh=build_mesh(cfg, torch.device("cpu")))

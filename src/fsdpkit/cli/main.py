@@ -63,7 +63,9 @@ def _parser() -> argparse.ArgumentParser:
                                    "policy.mixed_precision keeps every dtype fp32, 5e-4 otherwise, custom _target_ "
                                    "policies included).")
     r.add_argument("--nproc", type=int, default=2, help="ranks of the uninterrupted and first run (default 2)")
-    r.add_argument("--resume-nproc", type=int, default=None, help="ranks of the resumed run (default: --nproc)")
+    r.add_argument("--resume-nproc", type=_world_sizes, default=None, metavar="M[,M...]",
+                   help="ranks of the resumed run (default: --nproc); several, e.g. 2,3, resume copies of the same "
+                        "interrupted run once per world size and check each")
     r.add_argument("--resume-overrides", action="append", default=[], metavar="OVERRIDES",
                    help="Hydra overrides for the resumed run only, space-separated, e.g. "
                         "'strategy.sharding_strategy=FULL_SHARD' to resume an HSDP checkpoint under FULL_SHARD; "
@@ -175,10 +177,21 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _world_sizes(text: str) -> list[int]:
+    """`--resume-nproc 3` or `--resume-nproc 2,3`."""
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected world sizes such as 3 or 2,3, got {text!r}") from None
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"world sizes must be at least 1, got {text!r}")
+    return sizes
+
+
 def _resume_check(args: argparse.Namespace) -> int:
     from fsdpkit.cli.resume_check import resume_check
 
-    return resume_check(overrides=args.overrides, nproc=args.nproc, resume_nproc=args.resume_nproc or args.nproc,
+    return resume_check(overrides=args.overrides, nproc=args.nproc, resume_nproc=args.resume_nproc or [args.nproc],
                         steps=args.steps, save_at=args.save_at, work_dir=args.work_dir, config_dirs=args.config_dir,
                         resume_overrides=[o for group in args.resume_overrides for o in shlex.split(group)])
 

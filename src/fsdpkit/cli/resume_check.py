@@ -2,7 +2,9 @@
 
 Runs the config uninterrupted for K steps; runs it again, saving at step S and stopping there as
 an interruption would; resumes it (optionally at another world size, or with other settings such
-as another sharding strategy: --resume-overrides) to step K; then checks two things. (1) The third
+as another sharding strategy: --resume-overrides) to step K; then checks two things. Given several
+world sizes (`--resume-nproc 2,3`), the interrupted run is copied once per extra world size and each
+copy is resumed and checked on its own, so the first two runs are shared. (1) The resumed
 run really resumed: its own records (the `resume` event in metrics.jsonl) say it loaded the full
 state of step S of the second run, saved on the first run's world size. Equal losses alone prove
 nothing: a deterministic fresh start gives the same numbers. (2) A per-step table of loss and
@@ -13,6 +15,7 @@ is all fp32 and 5e-4 otherwise.
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -89,50 +92,77 @@ def resume_problems(events: list[dict[str, Any]], *, step: int, saved_world_size
     return problems
 
 
-def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int, steps: int, save_at: int,
+def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int | list[int], steps: int, save_at: int,
                  work_dir: Path | None = None, config_dirs: list[str] = (), resume_overrides: list[str] = (),
                  before_resume: Callable[[Path], None] | None = None) -> int:
-    """Returns the exit code: 0 when the third run resumed from step `save_at` and every step
+    """Returns the exit code: 0 when every resumed run resumed from step `save_at` and every step
     after it is within tolerance, else 1.
 
     Args:
-        resume_overrides: Hydra overrides for the resumed run only (after `overrides`).
-        before_resume: called with the interrupted run's directory just before it is resumed.
+        resume_nproc: ranks of the resumed run; a list resumes the same interrupted run once per
+            entry (in `resumed/` for one entry, else `resumed-<M>/` each).
+        resume_overrides: Hydra overrides for the resumed run(s) only (after `overrides`).
+        before_resume: called with each resumed run's directory just before it is resumed.
             Tests use it to delete the checkpoints there and see the check fail.
     Raises:
-        ValueError: bad step numbers, a resumed config that cannot run on `resume_nproc` ranks, or
-            `work_dir` already holds runs of an earlier check.
+        ValueError: bad step numbers, a resumed config that cannot run on a resume world size,
+            several world sizes with a checkpoint.dir outside run_dir, or `work_dir` already holds
+            runs of an earlier check.
     """
+    sizes = [resume_nproc] if isinstance(resume_nproc, int) else list(dict.fromkeys(resume_nproc))
     if not 0 < save_at < steps:
         raise ValueError(f"--save-at must lie between 0 and --steps ({steps}), got {save_at}")
-    # The resumed run's config is validated now, not after the first two runs.
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--resume-nproc needs world sizes of at least 1, got {resume_nproc}")
+    # The resumed runs' config is validated now, not after the first two runs.
     resumed_cfg = compose_config([*overrides, *resume_overrides], config_dirs=list(config_dirs))
-    try:
-        check_world_size(resumed_cfg, resume_nproc, local_world_size=resume_nproc)
-    except ValueError as e:
-        hint = (", or resume under another strategy: --resume-overrides strategy.sharding_strategy=FULL_SHARD"
-                if resumed_cfg.strategy.sharding_strategy == "HYBRID_SHARD" else "")
-        raise ValueError(f"the resumed run on {resume_nproc} rank(s): {e}{hint}") from None
-    unchanged = nproc == resume_nproc and not resume_overrides
-    rtol = tolerance(overrides, same_world_size=unchanged, config_dirs=list(config_dirs))
+    for size in sizes:
+        try:
+            check_world_size(resumed_cfg, size, local_world_size=size)
+        except ValueError as e:
+            hint = (", or resume under another strategy: --resume-overrides strategy.sharding_strategy=FULL_SHARD"
+                    if resumed_cfg.strategy.sharding_strategy == "HYBRID_SHARD" else "")
+            raise ValueError(f"the resumed run on {size} rank(s): {e}{hint}") from None
     work = Path(work_dir or tempfile.mkdtemp(prefix="fsdpkit-resume-check-"))
-    full, resumed = work / "uninterrupted", work / "resumed"
-    for run in (full, resumed):
+    full = work / "uninterrupted"
+    resumed = {m: work / ("resumed" if len(sizes) == 1 else f"resumed-{m}") for m in sizes}
+    for run in (full, *resumed.values()):
         if run.exists():  # its metrics.jsonl and checkpoints would mix with this check's
             raise ValueError(f"--work-dir {work} already holds {run.name}/ from an earlier check; give a new --work-dir")
     common = [*overrides, f"train.max_steps={steps}", "train.eval_every=0", "train.progress=false",
               "checkpoint.save_at_end=false"]
-    ckpt_root = Path(compose_config([*common, f"run_dir={resumed}"], config_dirs=list(config_dirs)).checkpoint.dir)
+    roots = {m: Path(compose_config([*common, f"run_dir={run}"], config_dirs=list(config_dirs)).checkpoint.dir)
+             for m, run in resumed.items()}
+    if len(sizes) > 1 and any(not root.resolve().is_relative_to(resumed[m].resolve()) for m, root in roots.items()):
+        raise ValueError(f"--resume-nproc {','.join(map(str, sizes))} copies the interrupted run once per world size, "
+                         f"which needs checkpoint.dir inside run_dir (it is {roots[sizes[0]]}); check one world size "
+                         "at a time, or leave checkpoint.dir at its default")
     changed = f" with {' '.join(resume_overrides)}" if resume_overrides else ""
     print(f"resume-check: {steps} steps on {nproc} rank(s) uninterrupted, then saved at step {save_at}, "
-          f"interrupted, resumed on {resume_nproc} rank(s){changed}; work dir {work}", flush=True)
+          f"interrupted, resumed on {' and on '.join(map(str, sizes))} rank(s){changed}; work dir {work}", flush=True)
     _train(nproc, [*common, "checkpoint.resume=none", "checkpoint.every_steps=0"], full, list(config_dirs))
+    first = resumed[sizes[0]]
     _train(nproc, [*common, "checkpoint.resume=none", f"checkpoint.every_steps={save_at}", f"train.stop_at={save_at}"],
-           resumed, list(config_dirs))
-    if before_resume is not None:
-        before_resume(resumed)
-    _train(resume_nproc, [*common, *resume_overrides, "checkpoint.resume=auto", "checkpoint.every_steps=0"], resumed,
-           list(config_dirs))
+           first, list(config_dirs))
+    for m in sizes[1:]:  # before the first resume changes anything in `first`
+        shutil.copytree(first, resumed[m], symlinks=True, ignore=shutil.ignore_patterns(".lock"))
+    results = []
+    for m in sizes:
+        if before_resume is not None:
+            before_resume(resumed[m])
+        _train(m, [*common, *resume_overrides, "checkpoint.resume=auto", "checkpoint.every_steps=0"], resumed[m],
+               list(config_dirs))
+        rtol = tolerance(overrides, same_world_size=m == nproc and not resume_overrides, config_dirs=list(config_dirs))
+        if len(sizes) > 1:
+            print(f"resume-check: resumed on {m} rank(s) ({resumed[m]}):")
+        results.append(_check(full, resumed[m], roots[m], nproc=nproc, steps=steps, save_at=save_at, rtol=rtol))
+    if len(sizes) > 1:
+        print(f"resume-check: {sum(results)} of {len(results)} resumed runs passed")
+    return 0 if all(results) else 1
+
+
+def _check(full: Path, resumed: Path, ckpt_root: Path, *, nproc: int, steps: int, save_at: int, rtol: float) -> bool:
+    """Prints the proof of the resume and the comparison of one resumed run; True when both hold."""
     problems = resume_problems(read_records(resumed, events=True), step=save_at, saved_world_size=nproc,
                                ckpt_root=ckpt_root)
     if not problems:
@@ -148,8 +178,9 @@ def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int, steps: 
         print("resume-check: FAIL: no proof of a resume from step "
               f"{save_at}:\n" + "\n".join(f"  {p}" for p in problems))
     print(f"resume-check: {'PASS' if ok else 'FAIL'}: worst relative difference {worst:.3e}, tolerance {rtol:.0e}"
-          + ("" if worst <= rtol else " (state was lost or mismapped on resume: scheduler, data cursor, optimizer or RNG)"))
-    return 0 if ok else 1
+          + ("" if worst <= rtol else " (state was lost or mismapped on resume: scheduler, data cursor, optimizer or RNG)"),
+          flush=True)
+    return ok
 
 
 def _print_table(a: dict[int, dict], b: dict[int, dict], steps: range, *, rtol: float) -> float:

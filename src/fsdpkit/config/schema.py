@@ -224,6 +224,10 @@ class TrainConfig:
     run resumes from the last checkpoint). 0: run to max_steps."""
     compile: bool = False
     """torch.compile each decoder block (after activation checkpointing, before fully_shard)."""
+    compile_backend: str = "inductor"
+    """torch.compile backend with train.compile: inductor (generates kernels; the first run compiles
+    for a while, later runs reuse its cache), or aot_eager / eager to run the traced graphs without
+    code generation (to tell a compiler problem from a tracing one, or to start in seconds)."""
     progress: bool = True
     """Show a live progress bar on rank 0 when stderr is a terminal."""
 

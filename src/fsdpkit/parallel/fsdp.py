@@ -74,8 +74,13 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
         checkpoint(module)
     compiled = []
     if cfg.train.compile:
+        backend = cfg.train.compile_backend
+        known = torch._dynamo.list_backends(exclude_tags=())
+        if backend not in known:
+            raise ValueError(f"train.compile_backend={backend!r} is not a torch.compile backend; "
+                             f"use one of {', '.join(b for b in known if 'TESTING' not in b)}")
         for name, module in units:
-            module.forward = torch.compile(module.forward)
+            module.forward = torch.compile(module.forward, backend=backend)
             compiled.append(name)
     mp = mixed_precision_policy(pol.mixed_precision)
     reshard = reshard_after_forward(cfg.strategy)
