@@ -22,7 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdpkit.config.paths import refuse_url
+from fsdpkit.config.paths import check_url, is_url, refuse_url
 from fsdpkit.config.schema import (
     MIXED_PRECISION_PRESETS,
     SHARDING_STRATEGIES,
@@ -184,10 +184,13 @@ def validate(cfg: Config) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
                          "`pip install tensorboard`, or set logging.tensorboard=false")
-    for setting, value in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint.dir),
-                           ("checkpoint.resume", cfg.checkpoint.resume), ("export.dir", cfg.export.dir),
+    for setting, value in (("run_dir", cfg.run_dir), ("export.dir", cfg.export.dir),
                            ("model.init_from", m.init_from.removeprefix("hf:"))):
         refuse_url(value, setting=setting)
+    if cfg.export.on_finish and is_url(cfg.checkpoint.dir):
+        raise ValueError(f"export.on_finish exports from checkpoint.dir, and {cfg.checkpoint.dir} is a URL, which the "
+                         "end-of-run export does not read yet; set export.on_finish=false and run "
+                         "`fsdpkit ckpt export` on a local copy")
     if m.init_from and not (m.init_from.startswith("hf:") and len(m.init_from) > 3):
         raise ValueError(f"config key 'model.init_from' is {m.init_from!r}; use hf:<directory of safetensors> or ''")
     _one_of("export.dtype", cfg.export.dtype, ("bf16", "fp16", "fp32"))
@@ -242,6 +245,13 @@ def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded
     for key in ("keep_last", "keep_every", "keep_best"):
         _positive(f"checkpoint.{key}", getattr(ck, key), allow_zero=True)
     _one_of("checkpoint.keep_best_mode", ck.keep_best_mode, ("min", "max"))
+    for setting, value in (("checkpoint.dir", ck.dir), ("checkpoint.resume", ck.resume)):
+        check_url(value, setting=setting)
+    if is_url(ck.dir) and state_dict_type != "sharded":
+        raise ValueError(f"checkpoint.dir={ck.dir} is a URL: object storage takes sharded checkpoints only "
+                         "(strategy.state_dict_type=sharded)")
+    if not isinstance(ck.storage_options, dict | DictConfig):
+        raise ValueError(f"config key 'checkpoint.storage_options' must be a mapping, got {ck.storage_options!r}")
     for name in ck.preemption_signals:
         if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
             raise ValueError(f"config key 'checkpoint.preemption_signals' names an unknown signal {name!r}; "
