@@ -106,10 +106,30 @@ def test_elastic_two_to_three_from_s3_restores_state_bitwise(runs):
     assert manifest["world_size"] == 3 and len([f for f in manifest["files"] if f.endswith(".distcp")]) == 3
 
 
-def test_verify_names_a_corrupt_object_and_a_missing_shard(runs):
+def test_ckpt_tools_read_s3_and_export_equals_the_local_export(runs, tmp_path, capsys):
+    from fsdpkit.cli.main import main
+
+    _, _, bucket, fs = runs
+    source = f"s3://{bucket}/sync/checkpoints"
+    fs.get(f"{bucket}/sync/checkpoints", str(tmp_path / "checkpoints"), recursive=True)  # the same bytes, local
+    assert main(["ckpt", "inspect", source]) == 0
+    assert f"{source}/step_8" in capsys.readouterr().out
+    assert main(["ckpt", "verify", source]) == 0
+    assert "OK: every file and chunk is present and intact" in capsys.readouterr().out
+    assert main(["ckpt", "diff", f"{source}/step_8", str(tmp_path / "checkpoints" / "step_8")]) == 0
+    assert main(["ckpt", "export", source, str(tmp_path / "from_s3")]) == 0
+    assert main(["ckpt", "export", str(tmp_path / "checkpoints"), str(tmp_path / "from_local")]) == 0
+    files = sorted(p.name for p in (tmp_path / "from_local").iterdir())
+    assert "model.safetensors" in files and sorted(p.name for p in (tmp_path / "from_s3").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "from_s3" / name).read_bytes() == (tmp_path / "from_local" / name).read_bytes(), name
+
+
+def test_verify_names_a_corrupt_object_and_a_missing_shard(runs, capsys):
     from fsdpkit.checkpoint.manifest import read_manifest
     from fsdpkit.checkpoint.resume import committed_candidates, verify_files
     from fsdpkit.checkpoint.storage import open_storage
+    from fsdpkit.cli.main import main
 
     _, _, bucket, fs = runs
     src, dst = f"{bucket}/sync/checkpoints/step_8", f"{bucket}/damaged/checkpoints/step_8"
@@ -127,6 +147,9 @@ def test_verify_names_a_corrupt_object_and_a_missing_shard(runs):
     assert any(f"s3://{dst}/{shard0} fails its checksum" in p for p in problems)
     assert any(f"s3://{dst}/{shard1} is missing" in p for p in problems)
     assert committed_candidates(open_storage(f"s3://{bucket}/damaged/checkpoints")) == []  # never resumed
+    assert main(["ckpt", "verify", f"s3://{dst}"]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD: s3://{dst}/{shard0} fails its checksum" in out and f"s3://{dst}/{shard1} is missing" in out
 
 
 def test_crafted_metadata_on_s3_is_refused_without_running_code(runs, tmp_path):

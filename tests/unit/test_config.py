@@ -137,5 +137,7 @@ def test_checkpoint_urls_need_a_driver_and_sharded_checkpoints():
 def test_ckpt_commands_refuse_urls(capsys):
     from fsdpkit.cli.main import main
 
-    assert main(["ckpt", "verify", "s3://bucket/run/checkpoints/step_4"]) == 2
-    assert "CKPT='s3://bucket/run/checkpoints/step_4' is a s3:// URL" in capsys.readouterr().err
+    assert main(["ckpt", "export", "runs/x/checkpoints", "s3://bucket/out"]) == 2  # outputs are local
+    assert "OUT='s3://bucket/out' is a s3:// URL; OUT takes a local or mounted path only" in capsys.readouterr().err
+    assert main(["ckpt", "verify", "nosuch://bucket/run/checkpoints/step_4"]) == 2
+    assert "fsspec knows no nosuch:// scheme" in capsys.readouterr().err

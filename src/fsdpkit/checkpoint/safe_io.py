@@ -221,10 +221,12 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
     Raises FileNotFoundError naming the missing file, UnsafeCheckpointError when the file asks
     for anything outside the allow-list, CheckpointCorruptError when it is truncated or garbled.
     """
-    path = pathlib.Path(path)
+    from fsdpkit.checkpoint.storage import open_storage  # (storage imports nothing from here)
+
+    path = open_storage(path)  # a local Path, or a RemotePath for a URL
     file = path / METADATA_FILENAME if path.is_dir() else path
     try:
-        stream = open(file, "rb")
+        stream = file.open("rb")
     except FileNotFoundError:
         raise FileNotFoundError(
             f"No DCP metadata at `{file}`: not a checkpoint directory, or the save never finished"

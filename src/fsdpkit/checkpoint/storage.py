@@ -35,7 +35,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdpkit.config.paths import URL
 
-_options: dict[str, Any] = {}  # set once per process from checkpoint.storage_options
+_options: dict[str, Any] = {}
+RANGE_BYTES = int(os.environ.get("FSDPKIT_REMOTE_RANGE_BYTES", str(16 << 20)))  # one ranged GET, at most  # set once per process from checkpoint.storage_options
 
 
 def is_url(value: str | os.PathLike) -> bool:
@@ -154,6 +155,10 @@ class RemotePath:
         return [RemotePath(f"{self.url.split('://', 1)[0]}://{key}", fs=self.fs)
                 for key in self.fs.find(self.key)]
 
+    def glob(self, pattern: str) -> list[RemotePath]:
+        scheme = self.url.split("://", 1)[0]
+        return [RemotePath(f"{scheme}://{key}", fs=self.fs) for key in self.fs.glob(f"{self.key}/{pattern}")]
+
     def mkdir(self, parents: bool = False, exist_ok: bool = False) -> None:
         """Nothing to do: prefixes exist once an object is written under them."""
 
@@ -171,8 +176,20 @@ class RemotePath:
         return self.read_bytes().decode(encoding)
 
     def read_range(self, start: int, end: int) -> bytes:
-        """Bytes [start, end) in one ranged GET."""
+        """Bytes [start, end) in one ranged GET (fewer at the end of the object)."""
         return self.fs.cat_file(self.key, start=start, end=end)
+
+    def read_range_into(self, view: memoryview, offset: int) -> int:
+        """Fill `view` from byte `offset` with ranged GETs of at most RANGE_BYTES each (bounded
+        memory); returns how many bytes the object had there (less than len(view): it ends early)."""
+        done = 0
+        while done < len(view):
+            data = self.read_range(offset + done, offset + min(len(view), done + RANGE_BYTES))
+            if not data:
+                break
+            view[done:done + len(data)] = data
+            done += len(data)
+        return done
 
     def write_bytes(self, data: bytes) -> None:
         """One PUT: readers see the whole object or none of it."""
