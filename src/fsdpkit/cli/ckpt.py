@@ -12,7 +12,8 @@ from typing import Any
 from fsdpkit.config.paths import check_url, refuse_url
 from fsdpkit.export.tunables import DEFAULT_MAX_SHARD_SIZE, VERIFY_THREADS
 
-CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp), a checkpoints or run directory "
+CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp; also as an s3:// URL, credentials "
+                  "and endpoint from the AWS_* environment), a checkpoints or run directory "
                   "(its `latest` is used), an Accelerate save_state folder (its pytorch_model_fsdp_0/), a folder of "
                   "step directories (the newest by the number in its name), a Hugging Face folder or a .safetensors file")
 

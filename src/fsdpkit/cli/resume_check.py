@@ -25,6 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdpkit.checkpoint.layout import step_dir_name
 from fsdpkit.config import check_world_size, compose_config
+from fsdpkit.config.paths import is_url
 from fsdpkit.parallel.policies import mixed_precision_policy
 from fsdpkit.train.metrics import read_records
 
@@ -122,7 +123,11 @@ def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int, steps: 
             raise ValueError(f"--work-dir {work} already holds {run.name}/ from an earlier check; give a new --work-dir")
     common = [*overrides, f"train.max_steps={steps}", "train.eval_every=0", "train.progress=false",
               "checkpoint.save_at_end=false"]
-    ckpt_root = Path(compose_config([*common, f"run_dir={resumed}"], config_dirs=list(config_dirs)).checkpoint.dir)
+    ckpt_dir = compose_config([*common, f"run_dir={resumed}"], config_dirs=list(config_dirs)).checkpoint.dir
+    if is_url(ckpt_dir):
+        raise ValueError(f"checkpoint.dir={ckpt_dir}: resume-check keeps its two runs' checkpoints in its local work "
+                         "dir; drop the checkpoint.dir override (train with it to check a bucket)")
+    ckpt_root = Path(ckpt_dir)
     changed = f" with {' '.join(resume_overrides)}" if resume_overrides else ""
     print(f"resume-check: {steps} steps on {nproc} rank(s) uninterrupted, then saved at step {save_at}, "
           f"interrupted, resumed on {resume_nproc} rank(s){changed}; work dir {work}", flush=True)
