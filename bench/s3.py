@@ -5,7 +5,8 @@ process so that it does not share this process's interpreter lock), side by side
    manifest and `latest` PUT) versus a plain s3fs `put` of the same bytes (the files that save
    wrote, from local disk). Ratio = fsdpkit throughput / s3fs throughput (target >= 0.8).
 2. async stall: `AsyncSaver.save` with an s3:// target versus a local target: the time until the
-   call returns (the loop's stall; the upload runs in the background). Ratio S3 / local (target <= 1.2).
+   call returns (the loop's stall; the upload runs in the background), 2 x --runs saves each,
+   alternating which target goes first. Ratio S3 / local (target <= 1.2).
 3. export: `fsdpkit ckpt export` of that checkpoint from s3:// and from a local copy, each in a
    subprocess (peak RSS = the child's ru_maxrss). Target: peak RSS <= 0.1 x model + 512 MiB.
 
@@ -109,16 +110,18 @@ def bench_async_stall(target, bucket: str, work: Path, runs: int) -> dict:
     from fsdpkit.checkpoint.storage import open_storage
 
     meta = meta_for(target)
+    roots = {"local": open_storage(work / "async_local"), "s3": open_storage(f"s3://{bucket}/async")}
+    savers = {kind: AsyncSaver(group=None) for kind in roots}
     stalls: dict[str, list[float]] = {"s3": [], "local": []}
-    for kind, root in (("local", open_storage(work / "async_local")), ("s3", open_storage(f"s3://{bucket}/async"))):
-        saver = AsyncSaver(group=None)
-        for i in range(runs + 1):  # the first save allocates the staging buffer: not counted
+    for i in range(2 * runs + 1):  # alternating, each first in turn; the first saves allocate the buffers
+        for kind in (("s3", "local") if i % 2 else ("local", "s3")):
             t0 = time.perf_counter()
-            saver.save(target, ckpt_dir=root / f"step_{i}", step=i, meta=meta, on_commit=None)
+            savers[kind].save(target, ckpt_dir=roots[kind] / f"step_{i}", step=i, meta=meta, on_commit=None)
             stall = time.perf_counter() - t0
-            saver.wait()
+            savers[kind].wait()
             if i:
                 stalls[kind].append(stall)
+    for saver in savers.values():
         saver.close()
     s3, local = statistics.median(stalls["s3"]), statistics.median(stalls["local"])
     return {"s3_stall_s": s3, "local_stall_s": local, "ratio": s3 / local}
