@@ -35,9 +35,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdpkit.config.paths import URL
 
-_options: dict[str, Any] = {}
+_options: dict[str, Any] = {}  # set once per process from checkpoint.storage_options
 RANGE_BYTES = int(os.environ.get("FSDPKIT_REMOTE_RANGE_BYTES", str(16 << 20)))  # one ranged GET, at most
-OPEN_BLOCK_BYTES = int(os.environ.get("FSDPKIT_REMOTE_OPEN_BLOCK_BYTES", str(1 << 20)))  # read-ahead of open()  # set once per process from checkpoint.storage_options
+OPEN_BLOCK_BYTES = int(os.environ.get("FSDPKIT_REMOTE_OPEN_BLOCK_BYTES", str(1 << 20)))  # read-ahead of open()
 
 
 def is_url(value: str | os.PathLike) -> bool:
@@ -207,7 +207,7 @@ class RemotePath:
                 raise
 
     def open(self, mode: str = "rb", **kwargs: Any) -> IO[bytes]:
-        """A file object; reads fetch OPEN_BLOCK_BYTES ahead (s3fs would fetch 50 MiB after every
+        """A file object; reads fetch OPEN_BLOCK_BYTES (1 MiB) ahead (s3fs would fetch 50 MiB after every
         seek, which parsing headers spread through a large object turns into gigabytes)."""
         if "r" in mode:
             kwargs.setdefault("block_size", OPEN_BLOCK_BYTES)
