@@ -132,6 +132,8 @@ def test_checkpoint_urls_need_a_driver_and_sharded_checkpoints():
         compose_config(["checkpoint.dir=s3://b/x", "strategy.state_dict_type=full"])
     with pytest.raises(ValueError, match=r"export.on_finish exports from checkpoint.dir, and s3://b/x is a URL"):
         compose_config(["checkpoint.dir=s3://b/x", "export.on_finish=true"])
+    with pytest.raises(ValueError, match=r"checkpoint.storage_options holds credentials \(secret\)"):
+        compose_config(["checkpoint.dir=s3://b/x", "+checkpoint.storage_options.secret=abc"])
 
 
 def test_ckpt_commands_refuse_urls(capsys):

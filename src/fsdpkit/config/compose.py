@@ -233,6 +233,11 @@ def check_world_size(cfg: Config, world_size: int, *, local_world_size: int | No
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
+# fsspec/s3fs option names that carry secrets (never in a config that every checkpoint records)
+CREDENTIAL_KEYS = frozenset({"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
+                             "aws_session_token", "account_key", "sas_token", "connection_string"})
+
+
 def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded") -> None:
     """The checkpoint settings on their own (the Checkpointer API checks them too); ValueError naming the key."""
     _one_of("checkpoint.resume_mode", ck.resume_mode, ("full", "model_only"))
@@ -252,6 +257,10 @@ def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded
                          "(strategy.state_dict_type=sharded)")
     if not isinstance(ck.storage_options, dict | DictConfig):
         raise ValueError(f"config key 'checkpoint.storage_options' must be a mapping, got {ck.storage_options!r}")
+    if secrets := sorted(k for k in ck.storage_options if str(k).lower() in CREDENTIAL_KEYS):
+        raise ValueError(f"checkpoint.storage_options holds credentials ({', '.join(secrets)}); the resolved config "
+                         "is saved with every checkpoint, so credentials come from the environment (AWS_ACCESS_KEY_ID, "
+                         "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or a profile (storage_options.profile) only")
     for name in ck.preemption_signals:
         if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
             raise ValueError(f"config key 'checkpoint.preemption_signals' names an unknown signal {name!r}; "

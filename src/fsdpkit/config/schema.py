@@ -258,8 +258,8 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for URL checkpoint paths (dir, resume), e.g. {endpoint_url: http://host:9000}
     for an S3-compatible store, or {profile: name}. Credentials come from the environment (AWS_*,
-    AWS_ENDPOINT_URL, profiles), never from a checkpoint; avoid writing secrets here (the resolved
-    config is saved with every checkpoint)."""
+    AWS_ENDPOINT_URL, profiles), never from a checkpoint: credential options (key, secret, token, ...)
+    are refused here, since the resolved config is saved with every checkpoint."""
     every_steps: int = 0
     """Save every this many optimizer steps (0: not by step count)."""
     every_minutes: float = 0.0
