@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/checkpoint.py
 	$(BIN)/python bench/export.py
 	$(BIN)/python bench/data.py
+	$(BIN)/python bench/s3.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples chaos

@@ -56,3 +56,12 @@ def hf_tokenizer_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tokenizer")
     train_bpe_tokenizer(texts, vocab_size=512, out_dir=out)
     return out
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """moto's S3 server on loopback for the session (tests/s3_server.py)."""
+    from s3_server import s3_server
+
+    with s3_server() as server:
+        yield server

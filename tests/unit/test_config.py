@@ -114,16 +114,32 @@ def test_async_alias_and_cross_checks():
         compose_config(["export.on_finish=true", "checkpoint.save_at_end=false"])
 
 
-@pytest.mark.parametrize("override", ["checkpoint.dir=s3://bucket/run/ckpts", "checkpoint.resume=gs://b/step_4",
-                                      "export.dir=az://c/out", "model.init_from=hf:s3://b/model", "run_dir=file:///x"])
-def test_urls_are_refused_until_a_remote_store_is_supported(override):
+@pytest.mark.parametrize("override", ["export.dir=az://c/out", "model.init_from=hf:s3://b/model", "run_dir=file:///x"])
+def test_urls_are_refused_where_only_local_paths_work(override):
     key = override.split("=", 1)[0]
-    with pytest.raises(ValueError, match=rf"{key}='.*' is a \w+:// URL; this fsdpkit reads and writes local"):
+    with pytest.raises(ValueError, match=rf"{key}='.*' is a \w+:// URL; {key} takes a local or mounted path only"):
         compose_config([override])
+
+
+def test_checkpoint_urls_need_a_driver_and_sharded_checkpoints():
+    cfg = compose_config(["checkpoint.dir=s3://bucket/run/ckpts", "checkpoint.resume=s3://b/ckpts/step_4",
+                          "+checkpoint.storage_options.endpoint_url=http://127.0.0.1:9"])
+    assert cfg.checkpoint.dir == "s3://bucket/run/ckpts"
+    assert cfg.checkpoint.storage_options == {"endpoint_url": "http://127.0.0.1:9"}
+    with pytest.raises(ValueError, match=r"checkpoint.dir='nosuch://b/x': fsspec knows no nosuch:// scheme"):
+        compose_config(["checkpoint.dir=nosuch://b/x"])
+    with pytest.raises(ValueError, match=r"object storage takes sharded checkpoints only"):
+        compose_config(["checkpoint.dir=s3://b/x", "strategy.state_dict_type=full"])
+    with pytest.raises(ValueError, match=r"export.on_finish exports from checkpoint.dir, and s3://b/x is a URL"):
+        compose_config(["checkpoint.dir=s3://b/x", "export.on_finish=true"])
+    with pytest.raises(ValueError, match=r"checkpoint.storage_options holds credentials \(secret\)"):
+        compose_config(["checkpoint.dir=s3://b/x", "+checkpoint.storage_options.secret=abc"])
 
 
 def test_ckpt_commands_refuse_urls(capsys):
     from fsdpkit.cli.main import main
 
-    assert main(["ckpt", "verify", "s3://bucket/run/checkpoints/step_4"]) == 2
-    assert "CKPT='s3://bucket/run/checkpoints/step_4' is a s3:// URL" in capsys.readouterr().err
+    assert main(["ckpt", "export", "runs/x/checkpoints", "s3://bucket/out"]) == 2  # outputs are local
+    assert "OUT='s3://bucket/out' is a s3:// URL; OUT takes a local or mounted path only" in capsys.readouterr().err
+    assert main(["ckpt", "verify", "nosuch://bucket/run/checkpoints/step_4"]) == 2
+    assert "fsspec knows no nosuch:// scheme" in capsys.readouterr().err

@@ -20,7 +20,6 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,6 +27,7 @@ import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
 
 from fsdpkit import watchdog
+from fsdpkit.checkpoint.layout import CkptPath
 from fsdpkit.checkpoint.save import Snapshot, capture, write_snapshot
 from fsdpkit.checkpoint.state import CheckpointTarget
 
@@ -42,7 +42,7 @@ class SaveResult:
     """What one save did, on this rank."""
 
     step: int
-    path: Path
+    path: CkptPath
     mode: str  # "sync" | "async"
     reason: str = "manual"  # every_steps, every_minutes, end, preempted, ...
     stall_s: float = 0.0  # the training loop was blocked this long
@@ -77,7 +77,7 @@ class AsyncSaver:
         """True when the save in flight has finished with an error (not yet collected)."""
         return self._pending is not None and self._pending[1].done() and self._pending[1].exception() is not None
 
-    def save(self, target: CheckpointTarget, *, ckpt_dir: Path, step: int, meta: dict[str, Any],
+    def save(self, target: CheckpointTarget, *, ckpt_dir: CkptPath, step: int, meta: dict[str, Any],
              on_commit=None) -> tuple[SaveResult | None, SaveResult]:
         """Wait for the save in flight (if any), stage `target`, and start writing it.
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 import xxhash
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -74,19 +74,46 @@ class _HashingStream(io.RawIOBase):
         super().close()
 
 
-class HashingFileSystem(FileSystem):
-    """DCP's local FileSystem, recording size and checksum of every file it writes."""
+class HashingFileSystem(FileSystemBase):
+    """A DCP FileSystem (`base`: the local one by default, or DCP's fsspec one for URLs) that
+    records size and checksum of every file it writes; everything else is `base`'s."""
 
-    def __init__(self, *, die_mid_write: bool = False) -> None:
+    def __init__(self, *, die_mid_write: bool = False, base: FileSystemBase | None = None) -> None:
         super().__init__()
+        self.base = base if base is not None else FileSystem()
         self.files: dict[str, dict[str, int | str]] = {}
         self._lock = threading.Lock()
         self._die_mid_write = die_mid_write
 
+    def concat_path(self, path, suffix):
+        return self.base.concat_path(path, suffix)
+
+    def rename(self, path, new_path) -> None:
+        self.base.rename(path, new_path)
+
+    def init_path(self, path, **kwargs):
+        return self.base.init_path(path, **kwargs)
+
+    def mkdir(self, path) -> None:
+        self.base.mkdir(path)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return FileSystem.validate_checkpoint_id(checkpoint_id)
+
+    def exists(self, path) -> bool:
+        return self.base.exists(path)
+
+    def rm_file(self, path) -> None:
+        self.base.rm_file(path)
+
+    def ls(self, path) -> list[str]:
+        return self.base.ls(path)
+
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
         if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
+            with self.base.create_stream(path, mode) as stream:
                 yield stream
             return
         name = Path(path).name.removesuffix(".tmp")  # DCP writes .metadata.tmp, then renames
@@ -95,7 +122,7 @@ class HashingFileSystem(FileSystem):
             with self._lock:
                 self.files[name] = {"size": size, HASH_NAME: digest}
 
-        with super().create_stream(path, mode) as raw:
+        with self.base.create_stream(path, mode) as raw:
             if self._die_mid_write:  # test hook (see save.KILL_DURING_SAVE_ENV): a rank dying mid-write
                 raw.write(b"partial")
                 raw.flush()

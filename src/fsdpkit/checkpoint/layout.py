@@ -13,16 +13,19 @@
 
 A directory without a readable manifest.json is never a checkpoint. The manifest is written by
 one rank after every rank finished writing: temporary name, fsync, rename, fsync of the directory.
-`latest` moves the same way, after the manifest.
+`latest` moves the same way, after the manifest. On object storage (storage.py) the same names are
+key prefixes; the manifest and `latest` are each one PUT, after every shard object is uploaded.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 from datetime import UTC, datetime
 from pathlib import Path
+
+from fsdpkit.checkpoint.storage import RemotePath, move_tree, remove_tree, write_atomic
+
+CkptPath = Path | RemotePath  # a local directory or an object-store prefix (see storage.py)
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -39,34 +42,17 @@ def step_dir_name(step: int) -> str:
     return f"step_{step}"
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def publish_latest(ckpt_dir: CkptPath) -> None:
+    write_atomic(ckpt_dir.parent / LATEST, ckpt_dir.name + "\n")
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to `path` so that readers see the old content or the new, never a mix."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # e.g. ENOSPC: leave no half-written temporary behind
-        raise
-    fsync_dir(path.parent)
+def remove_checkpoint(path: CkptPath) -> None:
+    """Delete a checkpoint directory, its manifest first: from then on it is no checkpoint, even if
+    the removal of the rest is interrupted."""
+    remove_tree(path, first=MANIFEST)
 
 
-def publish_latest(ckpt_dir: Path) -> None:
-    atomic_write_text(ckpt_dir.parent / LATEST, ckpt_dir.name + "\n")
-
-
-def candidate_dirs(ckpt_root: Path) -> list[Path]:
+def candidate_dirs(ckpt_root: CkptPath) -> list[CkptPath]:
     """Checkpoint-shaped directories (step_<N>, on_exception, and either's .incoming), committed or not."""
     if not ckpt_root.is_dir():
         return []
@@ -77,23 +63,27 @@ def utc_stamp() -> str:
     return datetime.now(UTC).strftime("%Y%m%dT%H%M%S.%fZ")
 
 
-def move_aside(path: Path, label: str) -> Path:
+def move_aside(path: CkptPath, label: str) -> CkptPath:
     """Rename `path` to `<name>.<label>-<UTC time>` beside it (never deleted); returns the new path."""
     new = path.with_name(f"{path.name}.{label}-{utc_stamp()}")
-    os.rename(path, new)
-    fsync_dir(path.parent)
+    move_tree(path, new, last=MANIFEST)
     return new
 
 
-def swap_in(incoming: Path, final: Path) -> None:
+def swap_in(incoming: CkptPath, final: CkptPath) -> None:
     """Make the committed `incoming` the checkpoint at `final`; the one it replaces is deleted
     only after the new one is in place. A crash in between leaves `incoming` (a committed
-    candidate, see CHECKPOINT_NAME) or `final` in place: never neither."""
+    candidate, see CHECKPOINT_NAME) or `final` in place: never neither. On object storage the
+    old `final` is removed (manifest first) and `incoming` copied in (manifest last), so the
+    committed `incoming` is the checkpoint until the copy is committed."""
+    if isinstance(final, RemotePath):
+        remove_checkpoint(final)
+        move_tree(incoming, final, last=MANIFEST)
+        return
     replaced = final.with_name(final.name + REPLACED)
     if final.exists():
         if replaced.exists():
-            shutil.rmtree(replaced)  # the predecessor of an earlier swap that was interrupted
-        os.rename(final, replaced)
-    os.rename(incoming, final)
-    fsync_dir(final.parent)
-    shutil.rmtree(replaced, ignore_errors=True)
+            remove_tree(replaced)  # the predecessor of an earlier swap that was interrupted
+        move_tree(final, replaced)
+    move_tree(incoming, final)
+    remove_tree(replaced)

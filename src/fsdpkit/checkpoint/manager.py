@@ -22,7 +22,6 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,14 +30,16 @@ from torch import nn
 
 from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
 from fsdpkit.checkpoint.errors import CheckpointError, CheckpointSaveError
-from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, step_dir_name
+from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, CkptPath, step_dir_name
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary, read_manifest
-from fsdpkit.checkpoint.ownership import DirectoryLock, claim, new_run_id
+from fsdpkit.checkpoint.object_lock import ObjectLock
+from fsdpkit.checkpoint.ownership import DirectoryLock, claim, lock_for, new_run_id
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
 from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful
+from fsdpkit.checkpoint.storage import as_path, configure
 from fsdpkit.config import validate_checkpoint
 from fsdpkit.config.schema import CheckpointConfig
 from fsdpkit.dist import on_main
@@ -81,25 +82,26 @@ class Found:
     """What `find_checkpoint` found: the checkpoint to resume from (None: start fresh) and rank 0's
     lock on the directory, handed on to the Checkpointer."""
 
-    path: Path | None
-    lock: DirectoryLock | None
+    path: CkptPath | None
+    lock: DirectoryLock | ObjectLock | None
 
 
 def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Found:
     """Collective: lock `cfg.dir` (rank 0) and resolve `cfg.resume` (verifying checksums; corrupt
     candidates are moved aside). A loop that wants to know before building its model whether it
     will resume (to skip random init) calls this, then `Checkpointer.resume(found)`."""
-    held: list[DirectoryLock] = []
+    held: list[DirectoryLock | ObjectLock] = []
+    configure(cfg.storage_options)
+    root = as_path(cfg.dir)
 
     def acquire() -> None:
-        root = Path(cfg.dir)
         root.mkdir(parents=True, exist_ok=True)
-        held.append(DirectoryLock(root).acquire())
+        held.append(lock_for(root).acquire())
 
     on_main(acquire, group=group, errors=(CheckpointError, OSError))
     lock = held[0] if held else None
     try:
-        path = resolve_checkpoint(cfg.resume, ckpt_root=Path(cfg.dir), group=group,
+        path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group,
                                   verify_checksums=cfg.verify_checksums)
     except BaseException:
         if lock is not None:
@@ -143,6 +145,7 @@ class Checkpointer:
             settings["preemption_signals"] = list(settings["preemption_signals"])
         self.cfg = CheckpointConfig(dir=str(dir), **settings)
         validate_checkpoint(self.cfg, state_dict_type=state_dict_type)
+        configure(self.cfg.storage_options)
         stateful = {"scheduler": as_stateful(scheduler, name="scheduler")} if scheduler is not None else {}
         for name, obj in (state or {}).items():
             if name in stateful:
@@ -152,7 +155,7 @@ class Checkpointer:
         self.groups = groups if groups is not None else CheckpointGroups.create(self.cfg)
         self.group = self.groups.sync
         self.state_dict_type = state_dict_type
-        self.root = Path(self.cfg.dir)
+        self.root = as_path(self.cfg.dir)
         self.sharding = sharding or {}
         self.run_meta = {**({"mesh": mesh} if mesh else {}), **({"config": config} if config else {})}
         self.on_event = on_event or (lambda record: None)
@@ -163,7 +166,7 @@ class Checkpointer:
         self.run_id: str | None = None  # set by resume(): this run's, or the resumed run's
         self.resumed: dict[str, Any] | None = None  # the resume event, if this run resumed
         self.last_saved_step: int | None = None
-        self.lock: DirectoryLock | None = None
+        self.lock: DirectoryLock | ObjectLock | None = None
         self._last_step: int | None = None
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
@@ -206,7 +209,7 @@ class Checkpointer:
             full = manifest is not None and self.cfg.resume_mode == "full"
             moved = self._claim(resumed=manifest if full else None, start=self._how_started(manifest))
             if path is not None:
-                self._load(Path(moved.get(str(path), path)))
+                self._load(as_path(moved.get(str(path), str(path))))
         except BaseException:
             self.close(wait=False)
             raise
@@ -241,7 +244,7 @@ class Checkpointer:
             self._fingerprint = model_fingerprint(self.target.model, sharding=self.sharding)
         return self._fingerprint
 
-    def _load(self, path: Path) -> dict[str, Any]:
+    def _load(self, path: CkptPath) -> dict[str, Any]:
         model_only = self.cfg.resume_mode == "model_only"
         report = load_checkpoint(self.target, path, fingerprint=self.fingerprint(), group=self.group,
                                  model_only=model_only, verify=self.cfg.verify_on_load,
@@ -304,7 +307,7 @@ class Checkpointer:
 
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, *, reason: str = "manual", metrics: dict[str, Any] | None = None,
-             wait: bool = False) -> Path:
+             wait: bool = False) -> CkptPath:
         """Collective: save `step` now (in the background when async_save is on, unless `wait`).
         A committed checkpoint of the same step is replaced once the new one is committed."""
         if self.run_id is None:
@@ -404,7 +407,7 @@ class Checkpointer:
             "metrics": {k: metrics[k] for k in METRICS_IN_MANIFEST if metrics and k in metrics},
         }
 
-    def _retain(self, committed: Path) -> None:
+    def _retain(self, committed: CkptPath) -> None:
         """Rank 0, right after a commit (on the save's own thread)."""
         try:
             apply_retention(self.root, self.retention, run_id=self.run_id, just_committed=committed)

@@ -25,8 +25,9 @@ from torch import nn
 
 from fsdpkit import __version__
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
-from fsdpkit.checkpoint.layout import MANIFEST, atomic_write_text
+from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest_schema import manifest_problems
+from fsdpkit.checkpoint.storage import write_atomic
 
 log = logging.getLogger("fsdpkit.checkpoint")
 FORMAT = "fsdpkit-checkpoint"
@@ -94,9 +95,9 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 
 
 def write_manifest(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
-    """Seal `manifest` and commit it: tmp + fsync + rename + directory fsync."""
+    """Seal `manifest` and commit it: tmp + fsync + rename + directory fsync (one PUT on object storage)."""
     sealed = {**{k: v for k, v in manifest.items() if k != SEAL}, SEAL: manifest_digest(manifest)}
-    atomic_write_text(ckpt_dir / MANIFEST, json.dumps(sealed, indent=1) + "\n")
+    write_atomic(ckpt_dir / MANIFEST, json.dumps(sealed, indent=1) + "\n")
 
 
 def read_manifest(ckpt_dir: Path) -> dict[str, Any]:

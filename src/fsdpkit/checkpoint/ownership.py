@@ -33,12 +33,15 @@ from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from fsdpkit.checkpoint.layout import (
     ARCHIVE,
     LATEST,
+    MANIFEST,
+    CkptPath,
     candidate_dirs,
-    fsync_dir,
     publish_latest,
     utc_stamp,
 )
 from fsdpkit.checkpoint.manifest import read_manifest
+from fsdpkit.checkpoint.object_lock import ObjectLock
+from fsdpkit.checkpoint.storage import RemotePath, fsync_dir, move_tree
 
 log = logging.getLogger("fsdpkit.checkpoint")
 LOCK = ".lock"
@@ -89,7 +92,12 @@ class DirectoryLock:
             self._fd = None
 
 
-def committed_in(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+def lock_for(root: CkptPath) -> DirectoryLock | ObjectLock:
+    """The lock for a checkpoints root: flock locally, a heartbeat object on object storage."""
+    return ObjectLock(root) if isinstance(root, RemotePath) else DirectoryLock(root)
+
+
+def committed_in(root: CkptPath) -> list[tuple[CkptPath, dict[str, Any]]]:
     """(path, manifest) of the committed, readable checkpoints directly under `root`."""
     found = []
     for path in candidate_dirs(root):
@@ -100,7 +108,7 @@ def committed_in(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     return found
 
 
-def claim(root: Path, *, run_id: str, resumed: dict[str, Any] | None, existing: str,
+def claim(root: CkptPath, *, run_id: str, resumed: dict[str, Any] | None, existing: str,
           start: str) -> tuple[list[str], dict[str, str]]:
     """Rank 0: make `root` hold this run's history only (see the module docstring).
 
@@ -140,7 +148,7 @@ def claim(root: Path, *, run_id: str, resumed: dict[str, Any] | None, existing: 
     return lines, moved
 
 
-def _archive(root: Path, paths: list[Path], moved: dict[str, str], *, why: str) -> str:
+def _archive(root: CkptPath, paths: list[CkptPath], moved: dict[str, str], *, why: str) -> str:
     """Move `paths` (and `latest`, when it names one of them) into a new archive/<time>/."""
     dest = root / ARCHIVE / utc_stamp()
     dest.mkdir(parents=True)
@@ -149,28 +157,29 @@ def _archive(root: Path, paths: list[Path], moved: dict[str, str], *, why: str) 
     except (OSError, UnicodeDecodeError):
         latest_names = None
     for p in sorted(paths):
-        os.rename(p, dest / p.name)
+        move_tree(p, dest / p.name, last=MANIFEST)
         moved[str(p)] = str(dest / p.name)
     if latest_names in {p.name for p in paths}:
-        os.rename(root / LATEST, dest / LATEST)
-    fsync_dir(root)
+        move_tree(root / LATEST, dest / LATEST)
+    if not isinstance(root, RemotePath):
+        fsync_dir(root)
     return f"moved {', '.join(p.name for p in sorted(paths))} ({why}) to {dest}"
 
 
-def repair_latest(root: Path) -> list[str]:
+def repair_latest(root: CkptPath) -> list[str]:
     """Point `latest` at the newest committed checkpoint if it is missing or names one that is not there."""
     latest = root / LATEST
     try:
         named = latest.read_text().strip()
     except (OSError, UnicodeDecodeError):
         named = None
-    if named and (root / named / "manifest.json").is_file():
+    if named and (root / named / MANIFEST).is_file():
         return []
     committed = sorted(committed_in(root), key=lambda pm: pm[1]["step"])
     if committed:
         publish_latest(committed[-1][0])
         return [f"{latest} named {named!r}, which is not a committed checkpoint; it now names {committed[-1][0].name}"]
     if latest.exists():
-        os.rename(latest, latest.with_name(f"{LATEST}.stale-{utc_stamp()}"))
+        move_tree(latest, latest.with_name(f"{LATEST}.stale-{utc_stamp()}"))
         return [f"{latest} named {named!r}, which is not a committed checkpoint, and none is left: moved it aside"]
     return []

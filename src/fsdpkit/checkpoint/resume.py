@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 
+from fsdpkit.checkpoint.dcp_storage import safe_reader
 from fsdpkit.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -20,9 +21,10 @@ from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
 from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
-from fsdpkit.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
+from fsdpkit.checkpoint.storage import as_path
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -116,7 +118,7 @@ def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGrou
         tdist.broadcast_object_list(box, src=0, group=group)
         candidates = box[0]
     for candidate in candidates:
-        path = Path(candidate)
+        path = as_path(candidate)
         try:
             manifest = read_manifest(path)
             missing = check_files_present(path, manifest)
@@ -209,7 +211,7 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
     """DCP load (resharding as needed) into the live model/optimizer; returns this rank's RNG
     state and the Stateful pieces' tensors (by `state.<name>.<path>`)."""
     state = target.tensor_state(rank=rank, with_optimizer=not model_only)
-    reader = SafeFileSystemReader(ckpt_dir)
+    reader = safe_reader(ckpt_dir)
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
     if "rng" in state and f"rng.rank{rank}.torch_cpu" not in reader.read_metadata().state_dict_metadata:
         del state["rng"]

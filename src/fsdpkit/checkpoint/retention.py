@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import logging
 import math
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.checkpoint.layout import LATEST, MANIFEST, STEP_DIR, candidate_dirs
+from fsdpkit.checkpoint.layout import LATEST, STEP_DIR, CkptPath, candidate_dirs, remove_checkpoint
 from fsdpkit.checkpoint.manifest import read_manifest
 
 log = logging.getLogger("fsdpkit.checkpoint")
@@ -36,12 +34,12 @@ class RetentionPolicy:
 
 @dataclass(frozen=True)
 class Committed:
-    path: Path
+    path: CkptPath
     step: int
     metric: float | None
 
 
-def committed_steps(ckpt_root: Path, *, metric: str, run_id: str | None = None) -> list[Committed]:
+def committed_steps(ckpt_root: CkptPath, *, metric: str, run_id: str | None = None) -> list[Committed]:
     """Committed step_<N> checkpoints (of `run_id` when given), oldest first, with their `metric`
     value (None if unlogged)."""
     found = []
@@ -75,8 +73,8 @@ def to_keep(checkpoints: list[Committed], policy: RetentionPolicy) -> set[int]:
     return keep
 
 
-def apply_retention(ckpt_root: Path, policy: RetentionPolicy, *, run_id: str | None = None,
-                    just_committed: Path | None = None) -> list[Path]:
+def apply_retention(ckpt_root: CkptPath, policy: RetentionPolicy, *, run_id: str | None = None,
+                    just_committed: CkptPath | None = None) -> list[CkptPath]:
     """Delete this run's committed checkpoints the policy does not keep; returns what was deleted."""
     if not policy.active:
         return []
@@ -87,10 +85,7 @@ def apply_retention(ckpt_root: Path, policy: RetentionPolicy, *, run_id: str | N
     for c in checkpoints:
         if c.step in keep or c.path.name in protected:
             continue
-        # The manifest goes first: from then on the directory is no checkpoint, even if the
-        # removal of the rest is interrupted.
-        (c.path / MANIFEST).unlink(missing_ok=True)
-        shutil.rmtree(c.path, ignore_errors=True)
+        remove_checkpoint(c.path)  # the manifest first (on object storage too)
         deleted.append(c.path)
     if deleted:
         log.info("retention: deleted %s (keeping %s)", ", ".join(p.name for p in deleted),
@@ -98,7 +93,7 @@ def apply_retention(ckpt_root: Path, policy: RetentionPolicy, *, run_id: str | N
     return deleted
 
 
-def _latest_name(ckpt_root: Path) -> str | None:
+def _latest_name(ckpt_root: CkptPath) -> str | None:
     try:
         return (ckpt_root / LATEST).read_text().strip()
     except (OSError, UnicodeDecodeError):

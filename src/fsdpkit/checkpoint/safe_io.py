@@ -221,10 +221,12 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
     Raises FileNotFoundError naming the missing file, UnsafeCheckpointError when the file asks
     for anything outside the allow-list, CheckpointCorruptError when it is truncated or garbled.
     """
-    path = pathlib.Path(path)
+    from fsdpkit.checkpoint.storage import open_storage  # (storage imports nothing from here)
+
+    path = open_storage(path)  # a local Path, or a RemotePath for a URL
     file = path / METADATA_FILENAME if path.is_dir() else path
     try:
-        stream = open(file, "rb")
+        stream = file.open("rb")
     except FileNotFoundError:
         raise FileNotFoundError(
             f"No DCP metadata at `{file}`: not a checkpoint directory, or the save never finished"
@@ -233,21 +235,12 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
         return unpickle_dcp_metadata(stream, source=file)
 
 
-class SafeFileSystemReader(FileSystemReader):
-    """`FileSystemReader` that reads `.metadata` with `SafeUnpickler` instead of `pickle.load`.
-
-    Why: DCP calls `read_metadata` before anything else in `dcp.load`; the stock reader would run
-    a crafted file's code right there. Everything else (file layout, slicing, tensor reads, which
-    already use `torch.load(weights_only=True)`) is inherited unchanged.
-
-    Note: `dcp.load` catches any exception from `read_metadata()` and retries with
-    `read_metadata(rank=...)` (the `__<rank>.metadata` file); both go through this method, and the
-    refusal text survives in the final error, but its type does not. Call `read_metadata()` (or
-    `read_dcp_metadata`) yourself first if you need the exception type.
-    """
+class SafeMetadataReading:
+    """Mixin for a DCP FileSystemReader (local or fsspec) that reads `.metadata` with
+    `SafeUnpickler` instead of `pickle.load`. Mirrors `FileSystemReader.read_metadata` exactly,
+    except for the unpickling; `self.fs` decides where the bytes come from."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """Mirror `FileSystemReader.read_metadata` exactly, except for the unpickling."""
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
         with self.fs.create_stream(path, "rb") as metadata_file:
@@ -258,6 +251,21 @@ class SafeFileSystemReader(FileSystemReader):
         metadata.storage_meta.load_id = self.load_id
 
         return metadata
+
+
+class SafeFileSystemReader(SafeMetadataReading, FileSystemReader):
+    """`FileSystemReader` that reads `.metadata` with `SafeUnpickler` instead of `pickle.load`.
+
+    Why: DCP calls `read_metadata` before anything else in `dcp.load`; the stock reader would run
+    a crafted file's code right there. Everything else (file layout, slicing, tensor reads, which
+    already use `torch.load(weights_only=True)`) is inherited unchanged. (`safe_fsspec.py` has the
+    same for URLs.)
+
+    Note: `dcp.load` catches any exception from `read_metadata()` and retries with
+    `read_metadata(rank=...)` (the `__<rank>.metadata` file); both go through this method, and the
+    refusal text survives in the final error, but its type does not. Call `read_metadata()` (or
+    `read_dcp_metadata`) yourself first if you need the exception type.
+    """
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):

@@ -13,26 +13,25 @@ import errno
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdpkit.checkpoint.dcp_storage import hashing_writer
 from fsdpkit.checkpoint.errors import CheckpointSaveError
 from fsdpkit.checkpoint.full import write_full
-from fsdpkit.checkpoint.hashing import HashingFileSystem, hash_algorithm_for, tensor_hashes
-from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, publish_latest, swap_in
+from fsdpkit.checkpoint.hashing import hash_algorithm_for, tensor_hashes
+from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, publish_latest, swap_in
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
+from fsdpkit.checkpoint.storage import as_path, remove_tree
 
 # Test hook: "<step>:<rank>" makes that rank SIGKILL itself in the middle of writing that step's
 # checkpoint, as a crash or an OOM kill would (tests prove `latest` then stays on the previous one).
@@ -95,13 +94,13 @@ def capture(target: CheckpointTarget, *, step: int, meta: dict[str, Any], rank: 
 def save_checkpoint(
     target: CheckpointTarget,
     *,
-    ckpt_dir: Path,
+    ckpt_dir: CkptPath,
     step: int,
     meta: dict[str, Any],
     group: tdist.ProcessGroup | None,
     thread_count: int = 1,
     state_dict_type: str = "sharded",
-    on_commit: Callable[[Path], None] | None = None,
+    on_commit: Callable[[CkptPath], None] | None = None,
 ) -> dict[str, Any]:
     """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest (rank 0) or
     {"step", "bytes_per_rank"} (other ranks).
@@ -125,30 +124,29 @@ def save_checkpoint(
         raise CheckpointSaveError("strategy.state_dict_type=full cannot hold tensors in the checkpoint `state` "
                                   f"({', '.join(sorted(snapshot.state['state'])[:5])}); use the sharded type")
 
-    def write(into: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # rank 0 gathers and writes safetensors
+    def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # rank 0 gathers and writes safetensors
         written = write_full(target, into, rank=rank, group=group)
         return [written.get("files", {})], {"optimizer_param_groups": written.get("optimizer_param_groups")}
 
     return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="full", write=write, on_commit=on_commit)
 
 
-def write_snapshot(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | None, thread_count: int = 1,
-                   on_commit: Callable[[Path], None] | None = None) -> dict[str, Any]:
+def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup | None, thread_count: int = 1,
+                   on_commit: Callable[[CkptPath], None] | None = None) -> dict[str, Any]:
     """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
     Safe to run on a background thread when `group` is used by nothing else meanwhile."""
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
 
-    def write(into: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # every rank writes its shards through DCP
-        fs = HashingFileSystem(die_mid_write=_dies_during_this_save(snapshot.step, rank))
-        writer = FileSystemWriter(into, sync_files=True, thread_count=thread_count)
-        writer.fs = fs
+    def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # every rank writes its shards through DCP
+        writer, fs = hashing_writer(into, thread_count=thread_count,
+                                    die_mid_write=_dies_during_this_save(snapshot.step, rank))
         dcp.save(snapshot.state, storage_writer=writer, process_group=group)
         return _gather(fs.files, group), {}
 
     return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="sharded", write=write, on_commit=on_commit)
 
 
-def _prepare(final: Path) -> Path:
+def _prepare(final: CkptPath) -> CkptPath:
     """Rank 0, before a save: the directory to write into (`final`, or beside it when `final` is
     committed), cleared of debris from an earlier attempt that never committed."""
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -157,7 +155,7 @@ def _prepare(final: Path) -> Path:
         swap_in(incoming, final)  # an earlier replacement committed but was not swapped in: finish it
     for stale in (incoming, final):
         if stale.exists() and not (stale / MANIFEST).is_file():
-            shutil.rmtree(stale)  # an uncommitted attempt of this run (the directory is ours: see ownership)
+            remove_tree(stale)  # an uncommitted attempt of this run (the directory is ours: see ownership)
     return incoming if (final / MANIFEST).is_file() else final
 
 
@@ -170,9 +168,9 @@ def _agree(status: Any, group: tdist.ProcessGroup | None) -> Any:
     return box[0]
 
 
-def _commit(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | None, kind: str,
-            write: Callable[[Path], tuple[list[dict[str, Any]], dict[str, Any]]],
-            on_commit: Callable[[Path], None] | None) -> dict[str, Any]:
+def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup | None, kind: str,
+            write: Callable[[CkptPath], tuple[list[dict[str, Any]], dict[str, Any]]],
+            on_commit: Callable[[CkptPath], None] | None) -> dict[str, Any]:
     """Checksum the tensors, `write(dir)` the files ((files by rank, extra manifest fields)), then
     commit on rank 0 and tell every rank the outcome: all ranks succeed or all raise."""
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
@@ -189,7 +187,7 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | N
         if isinstance(prepared, str):
             raise CheckpointSaveError(f"saving {ckpt_dir} failed on rank 0 ({prepared}); the previous checkpoint "
                                       "stays latest")
-        into = Path(prepared[1])
+        into = as_path(prepared[1])
         algorithm, tensors = tensor_table(snapshot.state, group=group)
         t_stage = time.perf_counter()
         files_by_rank, extra = write(into)
@@ -230,8 +228,8 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: Path, group: tdist.ProcessGroup | N
         ) from e
 
 
-def _publish(manifest: dict[str, Any], *, into: Path, final: Path,
-             on_commit: Callable[[Path], None] | None) -> str | None:
+def _publish(manifest: dict[str, Any], *, into: CkptPath, final: CkptPath,
+             on_commit: Callable[[CkptPath], None] | None) -> str | None:
     """Rank 0: write the manifest (the commit), swap a replacement in, move `latest`, run
     `on_commit`. Returns None, or why the checkpoint was not committed."""
     try:
@@ -239,7 +237,7 @@ def _publish(manifest: dict[str, Any], *, into: Path, final: Path,
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(into / MANIFEST))
         write_manifest(into, manifest)
     except OSError as e:
-        shutil.rmtree(into, ignore_errors=True)  # this save's own uncommitted files: give the space back
+        remove_tree(into)  # this save's own uncommitted files: give the space back
         return (f"saving {final} failed: rank 0 could not write {into / MANIFEST} ({e}); nothing was committed and "
                 "the previous checkpoint stays latest. Free space or fix permissions, then resume")
     try:

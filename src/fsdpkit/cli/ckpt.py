@@ -9,10 +9,11 @@ import json
 import warnings
 from typing import Any
 
-from fsdpkit.config.paths import refuse_url
+from fsdpkit.config.paths import check_url, refuse_url
 from fsdpkit.export.tunables import DEFAULT_MAX_SHARD_SIZE, VERIFY_THREADS
 
-CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp), a checkpoints or run directory "
+CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp; also as an s3:// URL, credentials "
+                  "and endpoint from the AWS_* environment), a checkpoints or run directory "
                   "(its `latest` is used), an Accelerate save_state folder (its pytorch_model_fsdp_0/), a folder of "
                   "step directories (the newest by the number in its name), a Hugging Face folder or a .safetensors file")
 
@@ -245,7 +246,11 @@ def _diff(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen `ckpt` subcommand; returns the exit code."""
-    for name in ("ckpt", "out", "a", "b"):
+    # sources may be URLs (s3://...: read by ranged GETs, credentials and endpoint from the AWS_*
+    # environment); the export's output is written locally
+    for name in ("ckpt", "a", "b"):
         if isinstance(getattr(args, name, None), str):
-            refuse_url(getattr(args, name), setting=name.upper())
+            check_url(getattr(args, name), setting=name.upper())
+    if isinstance(getattr(args, "out", None), str):
+        refuse_url(args.out, setting="OUT")
     return {"export": _export, "inspect": _inspect, "verify": _verify, "diff": _diff}[args.ckpt_command](args)

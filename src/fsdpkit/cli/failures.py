@@ -5,10 +5,10 @@ checkpoint a rerun of the same command will take."""
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fsdpkit.checkpoint.resume import committed_candidates
+from fsdpkit.checkpoint.storage import open_storage
 
 if TYPE_CHECKING:
     from fsdpkit.config import Config
@@ -51,7 +51,7 @@ def rerun_takes(cfg: Config) -> str:
         return "a rerun starts from scratch (checkpoint.resume=none)"
     if resume != "auto":
         return f"a rerun resumes from {resume} (checkpoint.resume)"
-    candidates = committed_candidates(Path(cfg.checkpoint.dir))
+    candidates = committed_candidates(open_storage(cfg.checkpoint.dir, cfg.checkpoint.storage_options))
     if not candidates:
         return f"a rerun starts from scratch: no committed checkpoint under {cfg.checkpoint.dir}"
     path, step = candidates[0]

@@ -10,7 +10,6 @@ import sys
 import time
 import traceback
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdpkit.checkpoint.errors import CheckpointError
@@ -146,10 +145,11 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
 def _preempted(cfg: Config, what: str, *, since: datetime, otherwise: int = 1) -> int:
     """EXIT_PREEMPTED when the ranks committed a preemption checkpoint after `since`, else `otherwise`."""
     from fsdpkit.checkpoint.manifest import read_manifest
+    from fsdpkit.checkpoint.storage import open_storage
     from fsdpkit.export.locate import read_latest
 
-    root = Path(cfg.checkpoint.dir)
     try:
+        root = open_storage(cfg.checkpoint.dir, cfg.checkpoint.storage_options)
         manifest = read_manifest(read_latest(root))  # a junk `latest` is no preemption checkpoint
     except (OSError, CheckpointError):
         manifest = {}

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from fsdpkit.checkpoint.layout import step_dir_name
 from fsdpkit.config import check_world_size, compose_config
+from fsdpkit.config.paths import is_url
 from fsdpkit.parallel.policies import mixed_precision_policy
 from fsdpkit.train.metrics import read_records
 
@@ -131,8 +132,12 @@ def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int | list[i
             raise ValueError(f"--work-dir {work} already holds {run.name}/ from an earlier check; give a new --work-dir")
     common = [*overrides, f"train.max_steps={steps}", "train.eval_every=0", "train.progress=false",
               "checkpoint.save_at_end=false"]
-    roots = {m: Path(compose_config([*common, f"run_dir={run}"], config_dirs=list(config_dirs)).checkpoint.dir)
-             for m, run in resumed.items()}
+    dirs = {m: compose_config([*common, f"run_dir={run}"], config_dirs=list(config_dirs)).checkpoint.dir
+            for m, run in resumed.items()}
+    if any(is_url(d) for d in dirs.values()):
+        raise ValueError(f"checkpoint.dir={dirs[sizes[0]]}: resume-check keeps its runs' checkpoints in its local work "
+                         "dir; drop the checkpoint.dir override (train with it to check a bucket)")
+    roots = {m: Path(d) for m, d in dirs.items()}
     if len(sizes) > 1 and any(not root.resolve().is_relative_to(resumed[m].resolve()) for m, root in roots.items()):
         raise ValueError(f"--resume-nproc {','.join(map(str, sizes))} copies the interrupted run once per world size, "
                          f"which needs checkpoint.dir inside run_dir (it is {roots[sizes[0]]}); check one world size "

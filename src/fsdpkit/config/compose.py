@@ -22,7 +22,7 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdpkit.config.paths import refuse_url
+from fsdpkit.config.paths import check_url, is_url, refuse_url
 from fsdpkit.config.schema import (
     MIXED_PRECISION_PRESETS,
     SHARDING_STRATEGIES,
@@ -184,10 +184,13 @@ def validate(cfg: Config) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
                          "`pip install tensorboard`, or set logging.tensorboard=false")
-    for setting, value in (("run_dir", cfg.run_dir), ("checkpoint.dir", cfg.checkpoint.dir),
-                           ("checkpoint.resume", cfg.checkpoint.resume), ("export.dir", cfg.export.dir),
+    for setting, value in (("run_dir", cfg.run_dir), ("export.dir", cfg.export.dir),
                            ("model.init_from", m.init_from.removeprefix("hf:"))):
         refuse_url(value, setting=setting)
+    if cfg.export.on_finish and is_url(cfg.checkpoint.dir):
+        raise ValueError(f"export.on_finish exports from checkpoint.dir, and {cfg.checkpoint.dir} is a URL, which the "
+                         "end-of-run export does not read yet; set export.on_finish=false and run "
+                         "`fsdpkit ckpt export` on a local copy")
     if m.init_from and not (m.init_from.startswith("hf:") and len(m.init_from) > 3):
         raise ValueError(f"config key 'model.init_from' is {m.init_from!r}; use hf:<directory of safetensors> or ''")
     _one_of("export.dtype", cfg.export.dtype, ("bf16", "fp16", "fp32"))
@@ -230,6 +233,11 @@ def check_world_size(cfg: Config, world_size: int, *, local_world_size: int | No
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
+# fsspec/s3fs option names that carry secrets (never in a config that every checkpoint records)
+CREDENTIAL_KEYS = frozenset({"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
+                             "aws_session_token", "account_key", "sas_token", "connection_string"})
+
+
 def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded") -> None:
     """The checkpoint settings on their own (the Checkpointer API checks them too); ValueError naming the key."""
     _one_of("checkpoint.resume_mode", ck.resume_mode, ("full", "model_only"))
@@ -242,6 +250,17 @@ def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded
     for key in ("keep_last", "keep_every", "keep_best"):
         _positive(f"checkpoint.{key}", getattr(ck, key), allow_zero=True)
     _one_of("checkpoint.keep_best_mode", ck.keep_best_mode, ("min", "max"))
+    for setting, value in (("checkpoint.dir", ck.dir), ("checkpoint.resume", ck.resume)):
+        check_url(value, setting=setting)
+    if is_url(ck.dir) and state_dict_type != "sharded":
+        raise ValueError(f"checkpoint.dir={ck.dir} is a URL: object storage takes sharded checkpoints only "
+                         "(strategy.state_dict_type=sharded)")
+    if not isinstance(ck.storage_options, dict | DictConfig):
+        raise ValueError(f"config key 'checkpoint.storage_options' must be a mapping, got {ck.storage_options!r}")
+    if secrets := sorted(k for k in ck.storage_options if str(k).lower() in CREDENTIAL_KEYS):
+        raise ValueError(f"checkpoint.storage_options holds credentials ({', '.join(secrets)}); the resolved config "
+                         "is saved with every checkpoint, so credentials come from the environment (AWS_ACCESS_KEY_ID, "
+                         "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or a profile (storage_options.profile) only")
     for name in ck.preemption_signals:
         if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
             raise ValueError(f"config key 'checkpoint.preemption_signals' names an unknown signal {name!r}; "

@@ -256,7 +256,14 @@ class CheckpointConfig:
     """When and how to save, and what to resume from."""
 
     dir: str = "${run_dir}/checkpoints"
-    """Root of this run's checkpoints: step_<N>/ directories and the `latest` pointer."""
+    """Root of this run's checkpoints: step_<N>/ directories and the `latest` pointer. A local path,
+    or an object-storage URL (s3://bucket/prefix; needs the `remote` extra): the same commit rule
+    holds there, see the README's "Object storage" section."""
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    """fsspec options for URL checkpoint paths (dir, resume), e.g. {endpoint_url: http://host:9000}
+    for an S3-compatible store, or {profile: name}. Credentials come from the environment (AWS_*,
+    AWS_ENDPOINT_URL, profiles), never from a checkpoint: credential options (key, secret, token, ...)
+    are refused here, since the resolved config is saved with every checkpoint."""
     every_steps: int = 0
     """Save every this many optimizer steps (0: not by step count)."""
     every_minutes: float = 0.0

@@ -38,14 +38,16 @@ def protected_paths(source: Path, *, run_dirs: Sequence[Path] = ()) -> list[tupl
     overlap: the checkpoint itself, its checkpoints root when it lies in one (a parent holding
     `latest` or named `checkpoints`), the run directory above a `checkpoints` root, and the run
     directories the caller knows (training passes its own)."""
+    known = [("the run directory", Path(d), True) for d in run_dirs]
+    if not isinstance(source, Path):
+        return known  # a checkpoint on object storage: no local output can overlap it
     found = [("the source checkpoint", source, False)]
     root = source.parent
     if (root / LATEST).is_file() or root.name == CHECKPOINTS:
         found.append(("its checkpoints root", root, False))
         if root.name == CHECKPOINTS:
             found.append(("the run directory", root.parent, True))
-    found += [("the run directory", Path(d), True) for d in run_dirs]
-    return found
+    return found + known
 
 
 def check_no_overlap(out: Path, protected: list[tuple[str, Path, bool]]) -> None:

@@ -24,9 +24,9 @@ import torch
 
 from fsdpkit import __version__
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.checkpoint.layout import fsync_dir
 from fsdpkit.checkpoint.manifest import check_files_present, dtype_name
 from fsdpkit.checkpoint.resume import verify_files
+from fsdpkit.checkpoint.storage import fsync_dir
 from fsdpkit.export.destination import (
     EXPORTED_BY,
     check_no_overlap,

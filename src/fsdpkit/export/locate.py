@@ -21,6 +21,7 @@ from pathlib import Path
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.layout import CHECKPOINTS, LATEST, MANIFEST, ON_EXCEPTION, STEP_DIR
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME
+from fsdpkit.checkpoint.storage import open_storage
 
 
 class LatestPointerError(CheckpointCorruptError):
@@ -145,7 +146,7 @@ def locate_checkpoint(path: str | os.PathLike, *, part: str = "model") -> Locate
     """
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
-    p = Path(path)
+    p = open_storage(path)  # a local Path, or a RemotePath for a URL (s3://...)
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist")
     if p.is_file() or _is_checkpoint_dir(p):

@@ -31,6 +31,7 @@ from fsdpkit.checkpoint.safe_io import (
     SafeLoadPlanner,
     read_dcp_metadata,
 )
+from fsdpkit.checkpoint.storage import RemotePath, open_storage
 from fsdpkit.export.locate import (
     is_uncommitted_fsdpkit_dir,
     locate_checkpoint,
@@ -115,6 +116,14 @@ def _pread_into(fd: int, t: torch.Tensor, offset: int, *, what: str) -> None:
         done += n
 
 
+def _ranged_get_into(obj: RemotePath, t: torch.Tensor, offset: int, *, what: str) -> None:
+    """_pread_into for an object on object storage: ranged GETs straight into `t`'s memory."""
+    view = memoryview(_as_bytes(t))
+    done = obj.read_range_into(view, offset)
+    if done < len(view):
+        raise CheckpointCorruptError(f"{what}: the object ends {len(view) - done} bytes early (truncated)")
+
+
 @dataclass
 class Chunk:
     offsets: tuple[int, ...]
@@ -158,8 +167,8 @@ class DcpSource:
 
     kind = "dcp"
 
-    def __init__(self, path: Path, *, metadata: Metadata | None = None) -> None:
-        self.path = Path(path)
+    def __init__(self, path: Path | RemotePath, *, metadata: Metadata | None = None) -> None:
+        self.path = open_storage(path)  # a local Path, or a RemotePath: rows come by ranged GETs
         self.metadata = metadata if metadata is not None else read_dcp_metadata(self.path)
         planner_data = getattr(self.metadata, "planner_data", None)
         self.key_paths = dict(planner_data) if isinstance(planner_data, dict) else None
@@ -196,7 +205,7 @@ class DcpSource:
         if relative not in self._files:
             path = self.path / relative
             try:
-                self._files[relative] = open(path, "rb")  # noqa: SIM115 (closed in close())
+                self._files[relative] = path.open("rb")  # noqa: SIM115 (closed in close())
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"{path} is missing; the checkpoint is incomplete") from None
         return self._files[relative]
@@ -233,7 +242,6 @@ class DcpSource:
         shape = (b - a, *chunk.sizes[1:]) if chunk.sizes else ()
         if out is None:
             out = torch.empty(shape, dtype=payload.dtype)
-        fd = self._file(chunk.storage.relative_path).fileno()
         base = chunk.storage.offset + payload.data_start
         where = f"{self.path / chunk.storage.relative_path} (chunk of {key})"
         if payload.is_contiguous:
@@ -241,14 +249,22 @@ class DcpSource:
             for s in shape[1:]:
                 row_elems *= s
             if out.numel():
-                _pread_into(fd, out, base + (payload.storage_offset + a * row_elems) * payload.dtype.itemsize, what=where)
+                self._read_into(chunk.storage.relative_path, out,
+                                base + (payload.storage_offset + a * row_elems) * payload.dtype.itemsize, what=where)
             return out
         # A strided chunk (never written by DCP itself, which clones views): read its storage whole.
         storage = torch.empty(payload.storage_bytes, dtype=torch.uint8)
-        _pread_into(fd, storage, base, what=where)
+        self._read_into(chunk.storage.relative_path, storage, base, what=where)
         whole = storage.view(payload.dtype).as_strided(payload.shape, payload.stride, payload.storage_offset)
         out.copy_(whole[a:b] if chunk.sizes else whole)
         return out
+
+    def _read_into(self, relative: str, t: torch.Tensor, offset: int, *, what: str) -> None:
+        if isinstance(self.path, RemotePath):
+            self._file(relative)  # a missing object fails here, named
+            _ranged_get_into(self.path / relative, t, offset, what=what)
+        else:
+            _pread_into(self._file(relative).fileno(), t, offset, what=what)
 
     def _is_row_split(self, key: str, chunks: list[Chunk]) -> bool:
         size = self._tensors[key].shape
@@ -436,6 +452,9 @@ def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct", part: st
     p, notes = located.path, located.notes
     if is_uncommitted_fsdpkit_dir(p):
         raise CheckpointError(not_committed_message(p))
+    if isinstance(p, RemotePath) and not (p / METADATA_FILENAME).is_file():
+        raise CheckpointError(f"{p}: only DCP checkpoints (fsdpkit's sharded ones included) are read from object "
+                              "storage; copy safetensors and full-state checkpoints to a local directory first")
     if p.is_file():
         return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p, files=[p]), notes=notes)
     if (p / MANIFEST).is_file():
@@ -449,5 +468,7 @@ def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct", part: st
     return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p), notes=notes)
 
 
-def _dcp_source(p: Path, reader: str) -> Any:
+def _dcp_source(p: Path | RemotePath, reader: str) -> Any:
+    if reader == "dcp" and isinstance(p, RemotePath):
+        raise ValueError(f"{p}: the `dcp` reader reads local checkpoints only; use the default `direct` reader")
     return DcpSource(p) if reader == "direct" else DcpLoadSource(p)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+import uuid
 from pathlib import Path
 
+from fsdpkit.checkpoint.storage import RemotePath, open_storage
 from fsdpkit.config import Config
 from fsdpkit.export.destination import check_no_overlap, check_replaceable, protected_paths
 
@@ -35,12 +37,28 @@ def _writable_dir(path: Path, *, setting: str) -> None:
                          "stops every save)") from None
 
 
+def _writable_prefix(root: RemotePath, *, setting: str) -> None:
+    """Prove an object can be written and deleted under `root` (credentials, endpoint, bucket)."""
+    probe = root / f".fsdpkit-write-test-{uuid.uuid4().hex}"
+    try:
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except Exception as e:  # noqa: BLE001 - any client error (no credentials, no bucket, no endpoint) says the same
+        raise ValueError(f"{setting}={root} cannot be written: {type(e).__name__}: {e}. Check the bucket name, the "
+                         "credentials (AWS_* environment, profile) and the endpoint (AWS_ENDPOINT_URL or "
+                         "checkpoint.storage_options.endpoint_url)") from None
+
+
 def check_directories(cfg: Config) -> None:
     """Raise ValueError when run_dir or checkpoint.dir cannot be created and written, or when
     export.on_finish would be refused at the end (export.dir overlaps the checkpoints, or holds
     something that is not an earlier export)."""
     _writable_dir(Path(cfg.run_dir), setting="run_dir")
-    _writable_dir(Path(cfg.checkpoint.dir), setting="checkpoint.dir")
+    ckpt_root = open_storage(cfg.checkpoint.dir, cfg.checkpoint.storage_options)
+    if isinstance(ckpt_root, RemotePath):
+        _writable_prefix(ckpt_root, setting="checkpoint.dir")
+    else:
+        _writable_dir(ckpt_root, setting="checkpoint.dir")
     if cfg.export.on_finish:
         out = Path(cfg.export.dir)
         try:

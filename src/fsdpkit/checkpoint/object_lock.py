@@ -1,0 +1,106 @@
+"""One live run per checkpoints prefix on object storage, where there is no flock.
+
+The rule: rank 0 of a run holds `<root>/.lock`, a small JSON object {owner, host, pid, heartbeat}
+that a daemon thread rewrites every HEARTBEAT_S seconds. A run that finds another owner's lock
+refuses the prefix, unless that lock is stale: its heartbeat is older than STALE_S, or it was
+written on this host by a process that is gone (a killed run restarted on the same node). The lock
+is deleted on release.
+
+What it does not give: object stores have no compare-and-swap that fsspec exposes everywhere, so
+two runs starting within the same moment could both write the lock; each reads it back after
+writing and the one that finds the other's owner refuses (last writer wins, read-after-write is
+consistent on S3). A run paused longer than STALE_S (a stopped VM) loses its claim.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+
+import psutil
+
+from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.storage import RemotePath
+
+log = logging.getLogger("fsdpkit.checkpoint")
+LOCK = ".lock"
+HEARTBEAT_S = float(os.environ.get("FSDPKIT_OBJECT_LOCK_HEARTBEAT_S", "30"))
+STALE_S = float(os.environ.get("FSDPKIT_OBJECT_LOCK_STALE_S", "120"))
+
+
+class ObjectLock:
+    """The lock object `<root>/.lock`, held for a run's life by its rank 0 (same interface as
+    ownership.DirectoryLock)."""
+
+    def __init__(self, root: RemotePath):
+        self.root, self.path = root, root / LOCK
+        self.owner = uuid.uuid4().hex
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> dict[str, object]:
+        return {"owner": self.owner, "host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
+
+    def _holder(self) -> dict[str, object] | None:
+        try:
+            holder = json.loads(self.path.read_bytes())
+        except FileNotFoundError:
+            return None
+        except (ValueError, UnicodeDecodeError):
+            return None  # garbage: nobody can be holding it
+        return holder if isinstance(holder, dict) else None
+
+    def _live(self, holder: dict[str, object]) -> bool:
+        if holder.get("owner") == self.owner:
+            return False
+        beat = holder.get("heartbeat")
+        if not isinstance(beat, int | float) or time.time() - beat > STALE_S:
+            return False
+        pid = holder.get("pid")
+        if holder.get("host") == socket.gethostname() and isinstance(pid, int):
+            return psutil.pid_exists(pid) and pid != os.getpid()
+        return True
+
+    def acquire(self, *, wait_s: float = 15.0) -> ObjectLock:
+        """Raises CheckpointError when another live run holds the prefix after `wait_s`."""
+        deadline = time.monotonic() + wait_s
+        while (holder := self._holder()) is not None and self._live(holder):
+            if time.monotonic() >= deadline:
+                raise CheckpointError(
+                    f"checkpoint.dir={self.root} is in use by another run (lock {self.path}: host "
+                    f"{holder.get('host')}, pid {holder.get('pid')}, heartbeat {time.time() - float(holder['heartbeat']):.0f} s "
+                    "ago): two runs must never write into one checkpoint prefix. Wait for it to end, stop it, or "
+                    f"set checkpoint.dir to another prefix (a lock silent for {STALE_S:.0f} s is taken over)")
+            time.sleep(0.5)
+        self.path.write_text(json.dumps(self._record()))
+        if (holder := self._holder()) is not None and holder.get("owner") != self.owner:
+            raise CheckpointError(f"checkpoint.dir={self.root}: another run took the lock {self.path} at the same "
+                                  "moment; two runs must never write into one checkpoint prefix")
+        self._thread = threading.Thread(target=self._beat, name="fsdpkit-object-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                self.path.write_text(json.dumps(self._record()))
+            except Exception as e:  # noqa: BLE001 - a failed heartbeat is retried; saves report real trouble
+                log.warning("could not refresh the lock %s: %s", self.path, e)
+
+    def release(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        try:
+            holder = self._holder()
+            if holder is not None and holder.get("owner") == self.owner:
+                self.path.unlink(missing_ok=True)
+        except Exception as e:  # noqa: BLE001 - a lock left behind goes stale by itself
+            log.warning("could not remove the lock %s: %s", self.path, e)

@@ -1,0 +1,169 @@
+"""Checkpoints on object storage (issue 13), against moto's S3 server over real HTTP: sync and async
+saves, bitwise same-world-size resume, elastic 2->3 resume, a rank killed mid-upload, retention,
+verification of corrupt and missing objects, and a crafted `.metadata` refused. One module fixture
+runs the three launches of s3_worker.py; the tests read what they left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import ROOT, torchrun  # noqa: E402
+from fsdpkit.checkpoint.errors import UnsafeCheckpointError  # noqa: E402
+
+pytestmark = pytest.mark.dist
+WORKER = ROOT / "tests" / "multirank" / "s3_worker.py"
+
+
+def _launch_expecting_failure(nproc: int, *args: str, env: dict) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+    assert proc.returncode != 0, f"the launch with a rank killed mid-upload succeeded:\n{proc.stderr[-3000:]}"
+    return proc
+
+
+@pytest.fixture(scope="module")
+def runs(s3, tmp_path_factory):
+    import s3fs
+
+    out = tmp_path_factory.mktemp("s3")
+    work = out / "work"
+    bucket = s3.new_bucket()
+    res: dict = {}
+    torchrun(2, WORKER, "ws2", str(out / "ws2.json"), str(work), bucket, env=s3.env)
+    res.update(json.loads((out / "ws2.json").read_text()))
+    fs = s3fs.S3FileSystem(use_listings_cache=False)
+    res["latest_before_kill"] = fs.cat_file(f"{bucket}/src/checkpoints/latest").decode().strip()
+    killed = _launch_expecting_failure(2, "kill", str(out / "kill.json"), str(work), bucket,
+                                       env={**s3.env, "FSDPKIT_TEST_KILL_DURING_SAVE": "8:1"})
+    res["killed_stderr"] = killed.stderr
+    res["latest_after_kill"] = fs.cat_file(f"{bucket}/src/checkpoints/latest").decode().strip()
+    res["step8_after_kill"] = sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket}/src/checkpoints/step_8"))
+    torchrun(3, WORKER, "ws3", str(out / "ws3.json"), str(work), bucket, env=s3.env)
+    res.update(json.loads((out / "ws3.json").read_text()))
+    return res, work, bucket, fs
+
+
+def test_sync_and_async_saves_resume_bitwise_from_s3(runs):
+    res, _, bucket, _ = runs
+    reference = res["full"]["losses"]
+    assert len(reference) == 8
+    for name in ("sync", "async"):
+        parts = res[name]
+        starts = [0, 3, 6] if name == "sync" else [0, 6]
+        assert [p["start"] for p in parts] == starts, name
+        assert parts[0]["resumed_from"] is None
+        for part, start in zip(parts[1:], starts[1:], strict=True):  # the resume event and its step
+            assert part["resumed_from"] == f"s3://{bucket}/{name}/checkpoints/step_{start}"
+        assert [x for p in parts for x in p["losses"]] == reference, name  # exact float equality
+
+
+def test_retention_on_s3_keeps_the_newest_and_latest(runs):
+    _, _, bucket, fs = runs
+    for name in ("sync", "async"):
+        root = f"{bucket}/{name}/checkpoints"
+        assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)) == ["latest", "step_8"], name
+        assert fs.cat_file(f"{root}/latest").decode().strip() == "step_8"
+        manifest = json.loads(fs.cat_file(f"{root}/step_8/manifest.json"))
+        names = sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/step_8"))
+        assert names == sorted([*manifest["files"], "manifest.json"])  # shards, .metadata, the commit
+        for file, info in manifest["files"].items():
+            assert fs.size(f"{root}/step_8/{file}") == info["size"]
+
+
+def test_rank_killed_mid_upload_leaves_latest_on_the_previous_checkpoint(runs):
+    res, _, bucket, _ = runs
+    assert res["latest_before_kill"] == "step_4"
+    assert "SIGKILL" in res["killed_stderr"]  # the launch failed because rank 1 was killed
+    assert res["latest_after_kill"] == "step_4"
+    assert "manifest.json" not in res["step8_after_kill"]  # never committed
+    after = res["after_kill"]  # auto-resume, on 3 ranks
+    assert after["resumed_from"] == f"s3://{bucket}/src/checkpoints/step_4" and after["start"] == 4
+    assert after["losses"] and after["mesh"] == [3]
+
+
+def test_elastic_two_to_three_from_s3_restores_state_bitwise(runs):
+    res, work, bucket, fs = runs
+    saved, loaded = torch.load(work / "saved_src.pt"), torch.load(work / "loaded_elastic.pt")
+    assert saved.keys() == loaded.keys()
+    for key in saved:
+        assert torch.equal(saved[key], loaded[key]), key
+    elastic = res["elastic"]
+    assert elastic["resumed_from"] == f"s3://{bucket}/src/checkpoints/step_4" and elastic["start"] == 4
+    assert elastic["mesh"] == [3]
+    reference = res["full"]["losses"][4:]
+    assert max(abs(a - b) / b for a, b in zip(elastic["losses"], reference, strict=True)) < 1e-5
+    manifest = json.loads(fs.cat_file(f"{bucket}/elastic/checkpoints/step_8/manifest.json"))
+    assert manifest["world_size"] == 3 and len([f for f in manifest["files"] if f.endswith(".distcp")]) == 3
+
+
+def test_ckpt_tools_read_s3_and_export_equals_the_local_export(runs, tmp_path, capsys):
+    from fsdpkit.cli.main import main
+
+    _, _, bucket, fs = runs
+    source = f"s3://{bucket}/sync/checkpoints"
+    fs.get(f"{bucket}/sync/checkpoints", str(tmp_path / "checkpoints"), recursive=True)  # the same bytes, local
+    assert main(["ckpt", "inspect", source]) == 0
+    assert f"{source}/step_8" in capsys.readouterr().out
+    assert main(["ckpt", "verify", source]) == 0
+    assert "OK: every file and chunk is present and intact" in capsys.readouterr().out
+    assert main(["ckpt", "diff", f"{source}/step_8", str(tmp_path / "checkpoints" / "step_8")]) == 0
+    assert main(["ckpt", "export", source, str(tmp_path / "from_s3")]) == 0
+    assert main(["ckpt", "export", str(tmp_path / "checkpoints"), str(tmp_path / "from_local")]) == 0
+    files = sorted(p.name for p in (tmp_path / "from_local").iterdir())
+    assert "model.safetensors" in files and sorted(p.name for p in (tmp_path / "from_s3").iterdir()) == files
+    for name in files:
+        assert (tmp_path / "from_s3" / name).read_bytes() == (tmp_path / "from_local" / name).read_bytes(), name
+
+
+def test_verify_names_a_corrupt_object_and_a_missing_shard(runs, capsys):
+    from fsdpkit.checkpoint.manifest import read_manifest
+    from fsdpkit.checkpoint.resume import committed_candidates, verify_files
+    from fsdpkit.checkpoint.storage import open_storage
+    from fsdpkit.cli.main import main
+
+    _, _, bucket, fs = runs
+    src, dst = f"{bucket}/sync/checkpoints/step_8", f"{bucket}/damaged/checkpoints/step_8"
+    fs.copy(src, dst, recursive=True)
+    ckpt = open_storage(f"s3://{dst}")
+    manifest = read_manifest(ckpt)
+    assert verify_files(ckpt, manifest) == []
+    shard0, shard1 = sorted(f for f in manifest["files"] if f.endswith(".distcp"))
+    data = bytearray(fs.cat_file(f"{dst}/{shard0}"))
+    data[len(data) // 2] ^= 0xFF  # one flipped bit pattern, same size
+    fs.pipe_file(f"{dst}/{shard0}", bytes(data))
+    fs.rm_file(f"{dst}/{shard1}")
+    problems = verify_files(ckpt, manifest)
+    assert len(problems) == 2
+    assert any(f"s3://{dst}/{shard0} fails its checksum" in p for p in problems)
+    assert any(f"s3://{dst}/{shard1} is missing" in p for p in problems)
+    assert committed_candidates(open_storage(f"s3://{bucket}/damaged/checkpoints")) == []  # never resumed
+    assert main(["ckpt", "verify", f"s3://{dst}"]) == 1
+    out = capsys.readouterr().out
+    assert f"BAD: s3://{dst}/{shard0} fails its checksum" in out and f"s3://{dst}/{shard1} is missing" in out
+
+
+def test_crafted_metadata_on_s3_is_refused_without_running_code(runs, tmp_path):
+    from fsdpkit.checkpoint.dcp_storage import safe_reader
+    from fsdpkit.checkpoint.storage import open_storage
+
+    _, _, bucket, fs = runs
+    marker = tmp_path / "pwned"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    fs.pipe_file(f"{bucket}/crafted/step_1/.metadata", pickle.dumps(Exploit()))
+    with pytest.raises(UnsafeCheckpointError, match=r"asks to load `(posix|os)\.system`"):
+        safe_reader(open_storage(f"s3://{bucket}/crafted/step_1")).read_metadata()
+    assert not marker.exists()
