@@ -24,7 +24,7 @@ from ckpt_worker import BASE, session
 from fsdpkit import dist
 from fsdpkit.checkpoint.async_save import SLOW_WRITE_ENV
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION
-from fsdpkit.checkpoint.manager import CheckpointGroups
+from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
 from fsdpkit.config import compose_config
 from fsdpkit.train.determinism import enable_determinism
 from fsdpkit.train.loop import RAISE_AT_ENV
@@ -79,6 +79,12 @@ def main() -> None:
     del os.environ[RAISE_AT_ENV]
     res["after_exception"] = session(work / "exception", ["checkpoint.every_steps=3"])
 
+    no_background = CheckpointGroups(sync=ckpt_worker.GROUPS.sync, background=None, agreement=None)
+    try:
+        Checkpointer(work / "no_background", model=torch.nn.Linear(2, 2), async_save=True, groups=no_background)
+        res["no_background_error"] = None
+    except ValueError as e:
+        res["no_background_error"] = str(e)
     res["minutes"] = session(work / "minutes", ["checkpoint.async=true", "checkpoint.every_minutes=0.002",
                                                 "checkpoint.keep_last=2"])
     if dist.is_main():

@@ -56,3 +56,8 @@ def test_time_cadence_is_agreed_by_every_rank_and_retention_applies(res):
     saves = res["minutes_saves"]
     assert len(saves) >= 3 and all(reason == "every_minutes" for _, reason in saves)  # save_at_end is off in BASE
     assert steps == [s for s, _ in saves[-2:]]  # retention kept the newest two
+
+
+def test_async_save_without_a_background_group_is_refused(res):
+    """Its collectives would otherwise run on the default group beside training's: a hang."""
+    assert "checkpoint.async_save needs CheckpointGroups with a background group" in res["no_background_error"]

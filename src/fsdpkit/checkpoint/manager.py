@@ -153,6 +153,12 @@ class Checkpointer:
             stateful[name] = as_stateful(obj, name=name)
         self.target = CheckpointTarget(model=model, optimizer=optimizer, stateful=stateful)
         self.groups = groups if groups is not None else CheckpointGroups.create(self.cfg)
+        if self.cfg.async_save and self.groups.background is None and tdist.is_initialized() and tdist.get_world_size() > 1:
+            # the save thread would run its collectives on the default group, interleaved with
+            # training's own: a hang, not an error
+            raise ValueError("checkpoint.async_save needs CheckpointGroups with a background group, and the groups "
+                             "given have none (they were created with async_save off): create them with "
+                             "CheckpointGroups.create(cfg) from the same settings, or leave groups= out")
         self.group = self.groups.sync
         self.state_dict_type = state_dict_type
         self.root = as_path(self.cfg.dir)
