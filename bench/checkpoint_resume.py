@@ -9,7 +9,9 @@ same host) until the first training step after the resume returned on every rank
   post-load per-tensor checksums), i.e. what `find_checkpoint` + `Checkpointer.resume` do with
   the default settings (`checkpoint.verify_checksums`, `checkpoint.verify_on_load`), minus the
   directory lock;
-- plain DCP: `dcp.load` of the same directory (its path known) + `set_state_dict`.
+- plain DCP: `dcp.load` of the same directory (its path known) + `set_state_dict`;
+- in-process only, fsdpkit with the file checksums taken from the load's own read
+  (`resolve_checkpoint(verify_checksums=False)` + `load_checkpoint(verify_files=True)`).
 
 The first step is one real forward/backward/AdamW step. The checkpoint part (resolution to loaded
 and verified) is timed apart; after the first step the same process repeats the checkpoint part of
@@ -53,7 +55,8 @@ from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
 
 T0_ENV = "FSDPKIT_BENCH_T0"
 FSDPKIT, PLAIN = "fsdpkit resolve + load (verified)", "dcp.load + set_state_dict"
-RESUME_METHODS = (FSDPKIT, PLAIN)
+ONE_READ = "fsdpkit, files verified while loading"
+RESUME_METHODS = (FSDPKIT, ONE_READ, PLAIN)
 
 
 def resume_fsdpkit(b: Bench, root: Path) -> dict[str, Any]:
@@ -64,6 +67,19 @@ def resume_fsdpkit(b: Bench, root: Path) -> dict[str, Any]:
         raise RuntimeError(f"no committed checkpoint under {root}")
     t1 = time.perf_counter()
     report = load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group, verify=True)
+    return {"resolve_s": t1 - t0, "load_s": report["load_s"], "verify_s": report["verify_s"]}
+
+
+def resume_one_read(b: Bench, root: Path) -> dict[str, Any]:
+    """The same checks, the file checksums taken from the load's own read (verified_read.py):
+    `load_checkpoint(verify_files=True)`; not yet what `find_checkpoint` + `Checkpointer.resume` do."""
+    t0 = time.perf_counter()
+    path = resolve_checkpoint("auto", ckpt_root=root, group=b.sync_group, verify_checksums=False)
+    if path is None:
+        raise RuntimeError(f"no committed checkpoint under {root}")
+    t1 = time.perf_counter()
+    report = load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group, verify=True,
+                             verify_files=True)
     return {"resolve_s": t1 - t0, "load_s": report["load_s"], "verify_s": report["verify_s"]}
 
 
@@ -78,7 +94,7 @@ def resume_plain(b: Bench, root: Path) -> dict[str, Any]:
     return {}
 
 
-RESUMES = {FSDPKIT: resume_fsdpkit, PLAIN: resume_plain}
+RESUMES = {FSDPKIT: resume_fsdpkit, ONE_READ: resume_one_read, PLAIN: resume_plain}
 
 
 def _cold(b: Bench, root: Path) -> None:
@@ -109,8 +125,9 @@ def bench_resume(b: Bench, root: Path, *, first: str, runs: int, launch_t0: floa
     times: dict[str, list[float]] = {m: [] for m in RESUME_METHODS}
     peaks: dict[str, list[float]] = {m: [] for m in RESUME_METHODS}
     fsdpkit_parts = []
+    n = len(RESUME_METHODS)
     for r in range(runs):
-        for m in RESUME_METHODS[r % 2:] + RESUME_METHODS[: r % 2]:
+        for m in RESUME_METHODS[r % n:] + RESUME_METHODS[: r % n]:
             _cold(b, root)
             trim()
             with PeakRSS() as peak:

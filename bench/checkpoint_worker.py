@@ -614,7 +614,7 @@ def run_phase(args) -> None:
                 remove(root, b.sync_group)
             res["B2"] = bench_b2(b, root, args.runs, sync_s=sync_s, step=FixedStep(b, args.step_ms))
             res["B2"]["sync_save_s"] = sync_s
-        if only & {"B4", "B5"}:
+        if only & {"B4", "B5", "B7"}:
             save_fsdpkit(b, src)
         if "B4" in only:
             res["B4"] = bench_load(b, src / f"step_{b.counter.step}", args.runs)
