@@ -267,7 +267,8 @@ def _ceiling_rows(c: dict[str, Any]) -> list[str]:
             continue
         how = ("O_DIRECT, 16 MiB aligned reads" if k.startswith("o_direct") else "page cache (warm)" if k.startswith("warm")
                else "posix_fadvise(DONTNEED), then 16 MiB reads (a VM host may still cache)")
-        rows.append(f"| read, {r['streams']} stream(s) at once, {k.split('_')[0] if not k.isdigit() else 'cold-ish'} | "
+        kind = "O_DIRECT" if k.startswith("o_direct") else "warm" if k.startswith("warm") else "cold-ish"
+        rows.append(f"| read, {r['streams']} stream(s) at once, {kind} | "
                     f"{r['gbps']:.2f} GB/s | {_range(r['runs_gbps'])} | {how} |")
     rows += [f"| memcpy | **{c['memcpy_gbps']:.2f} GB/s** | median of {reps} | torch copy_ into an existing tensor, "
              f"1 thread, {c['memcpy_bytes'] / MiB:.0f} MiB |",
