@@ -6,16 +6,17 @@ collects their JSON, and prints one markdown report against the targets; it writ
 bench/results/checkpoint.json. Checkpoints go to a temporary directory on the repository's disk
 (bench/checkpoint_run_*, or under --dir), deleted after every run and at the end.
 
-Ceilings (this process, torch on one thread, as each rank runs):
-- disk write: a new --ceiling-gib file written in 16 MiB os.write chunks, then fsync, 3 times
-  (median; each time a new file, the previous one deleted first, as between checkpoint runs);
-  also two half-size files written concurrently by two threads (the ranks write in parallel);
-- cold-ish read: the file's pages evicted with posix_fadvise(POSIX_FADV_DONTNEED) (no root
-  needed; on a VM the host may still cache the disk), then read in 16 MiB chunks; also O_DIRECT
-  reads and a warm (page-cache) re-read for reference;
+Ceilings (this process, torch on one thread, as each rank runs; every one a median of --ceiling-reps):
+- disk write: N new files (N = 1, 2 and every --scale-ranks count) of --ceiling-gib / N each,
+  written at once by N threads in 16 MiB os.write chunks, each fsynced (a new set of files per
+  repetition, the previous set deleted first, as between checkpoint runs): the yardstick of N
+  ranks saving at once is the N-stream figure, never the 1-stream one;
+- cold-ish read: the same N files read at once after evicting their pages with
+  posix_fadvise(POSIX_FADV_DONTNEED) (no root needed; on a VM the host may still cache the disk);
+  also O_DIRECT reads and a warm (page-cache) re-read of one file for reference;
 - memcpy: `dst.copy_(src)` between two existing 512 MiB tensors, and into a fresh allocation
-  (`torch.empty` + `copy_`, page faults included), 5 times each (median); also two copies at once
-  (two threads), as both ranks stage at the same moment (information; the target uses one copy).
+  (`torch.empty` + `copy_`, page faults included); also two copies at once (two threads), as both
+  ranks stage at the same moment (information; the target uses one copy).
 
 Model: nn.Linear(w, w, bias=False) layers (w = --width, default 2304, divisible by 1, 2 and 3 so no
 rank holds a padded shard), each `fully_shard`-ed, then the root; AdamW(foreach); one real
@@ -49,15 +50,21 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
   torchrun launches); time relative to the 2-rank load.
 - B6 goodput: --b6-steps fixed-cost steps, a save every --b6-every steps, for no checkpoint,
   fsdpkit sync, fsdpkit AsyncSaver and dcp.async_save, state --b6-size-gib; --b6-rounds runs of
-  each, in the order A B C D, then D C B A (a linear drift in machine load cancels in the means).
-  Overhead = mean loop time / mean loop time without checkpoints - 1; the loop ends when the last
-  step's save call returned, and the time from then until that save is durable (drain) is
-  reported apart. A fixed-cost step is a burst of [512, 512] matmuls calibrated to --step-ms, an
-  in-place add on every model and optimizer shard (so the async snapshot races with mutation)
-  and a one-element all-reduce: a real forward/backward/AdamW step of this model takes seconds on
-  2 CPU cores, too slow for 200 steps. B2 runs the same step while its saves are in flight.
+  each (medians), in the order A B C D, then D C B A, ...; on 2 ranks (no core free on a 2-core
+  machine) and on 1 rank (a core free for the background work, as on GPU nodes). Overhead =
+  median loop time / that without checkpoints - 1; the loop ends when the last step's save call
+  returned, and the time from then until that save is durable (drain) is reported apart. The
+  process CPU time of each run (all threads) minus that without checkpoints is the work the saves
+  add; fsdpkit's per-phase wall and CPU times come from its manifests. A fixed-cost step is a
+  burst of [512, 512] matmuls calibrated to --step-ms, an in-place add on every model and
+  optimizer shard (so the async snapshot races with mutation) and a one-element all-reduce: a
+  real forward/backward/AdamW step of this model takes seconds on 2 CPU cores. B2 runs the same
+  step while its saves are in flight.
+- B7 whole resume and B8 scaling: see bench/checkpoint_resume.py.
 
-Usage: python bench/checkpoint.py [--sizes-gib 1,2] [--runs 5] [--only B1,B2,...] [--quick] [--dir D]
+Duration with the defaults: about 20 minutes on a quiet 2-core VM (B6 ~6, B8 ~5, B7 ~4).
+
+Usage: python bench/checkpoint.py [--sizes-gib 1] [--runs 5] [--only B1,B2,...] [--quick] [--dir D] [--report-only]
 """
 
 from __future__ import annotations
@@ -88,7 +95,7 @@ QUICK = {"sizes_gib": "0.125", "runs": 2, "b3_runs": 1, "b6_size_gib": 0.0625, "
          "step_ms": 20.0, "ceiling_gib": 0.25, "memcpy_mib": 128, "b6_rounds": 1, "ceiling_reps": 2,
          "resume_launches": 1, "scale_sizes_gib": "0.0625,0.125", "scale_rank_size_gib": 0.125, "scale_ranks": "1,2",
          "scale_runs": 1}
-FULL = {"sizes_gib": "1,2", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps": 100, "b6_every": 20,
+FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps": 80, "b6_every": 20,
         "step_ms": 100.0, "ceiling_gib": 1.0, "memcpy_mib": 512, "b6_rounds": 5, "ceiling_reps": 5,
         "resume_launches": 5, "scale_sizes_gib": "0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0, "scale_ranks": "1,2,4",
         "scale_runs": 3}
@@ -326,7 +333,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             if "B5" in args.only:
                 per["load_1"] = launch(args, "load", 1, size, workdir)
                 per["load_3"] = launch(args, "load", 3, size, workdir)
-            if "B7" in args.only:
+            if "B7" in args.only and size == args.sizes[0]:  # fresh launches are slow: the first size only
                 per["whole_resume"] = whole_resumes(args, 2, size, workdir, workdir / f"src_{size:g}",
                                                     launches=args.resume_launches, runs=1, methods=(FSDPKIT, PLAIN))
                 results["errors"] += [v for v in per["whole_resume"] if isinstance(v, str)]
@@ -381,7 +388,7 @@ def machine(parent: Path, repo_dev: int, load_before: tuple[float, float, float]
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes-gib", help="total state sizes over 2 ranks (default 1,2)")
+    p.add_argument("--sizes-gib", help="total state sizes over 2 ranks for B1-B5, B7 (default 1; B8 covers 0.25-4)")
     p.add_argument("--runs", type=int, help="runs per method for medians (default 5)")
     p.add_argument("--b3-runs", type=int, help="runs per method for peak memory (default 3)")
     p.add_argument("--only", default=",".join(PHASES), help="phases to run, e.g. B1,B2 (default all)")
@@ -390,7 +397,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=2304, help="Linear layer width (default 2304)")
     p.add_argument("--step-ms", type=float, help="matmul burst of the fixed-cost step, ms (default 100)")
     p.add_argument("--b6-size-gib", type=float, help="state size for B6 (default 0.5)")
-    p.add_argument("--b6-steps", type=int, help="B6 steps (default 100)")
+    p.add_argument("--b6-steps", type=int, help="B6 steps (default 80)")
     p.add_argument("--b6-every", type=int, help="B6: save every N steps (default 20)")
     p.add_argument("--b6-rounds", type=int, help="B6: runs of each mode, in alternating order (default 5)")
     p.add_argument("--ceiling-gib", type=float, help="file size for the disk ceilings (default 1)")
