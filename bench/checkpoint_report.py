@@ -317,6 +317,8 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         "sizes: " + "; ".join(sizes_desc) + f"; timed figures are medians of {cfg['runs']} runs (min–max (n) beside "
         f"them), peak memory the worst of {cfg['b3_runs']} runs, ceilings medians of {c['reps']}",
         _code_line(res),
+        *(["", "**A `--quick` smoke run (tiny sizes, 1-2 runs): it checks that every phase works; do not quote "
+            "its figures.**"] if cfg.get("quick") else []),
         "",
         "### Ceilings (measured in this run)",
         "| ceiling | median | runs: min–max (n) | how |",
