@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdpkit.checkpoint.errors import (
     CheckpointCorruptError,
@@ -20,7 +21,7 @@ from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
 from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
-from fsdpkit.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner
+from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeFileSystemReader, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
 from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader, file_problems
@@ -219,17 +220,21 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
     state = target.tensor_state(rank=rank, with_optimizer=not model_only)
     reader = (SafeFileSystemReader(ckpt_dir) if files is None
               else VerifyingFileSystemReader(ckpt_dir, sizes={n: i["size"] for n, i in files.items()}))
+    if files is not None and METADATA_FILENAME in files:  # small; checked before anything reads it
+        _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": {METADATA_FILENAME: files[METADATA_FILENAME]}},
+                                                 group=group))
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
     if "rng" in state and f"rng.rank{rank}.torch_cpu" not in reader.read_metadata().state_dict_metadata:
         del state["rng"]
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
-    except BaseException:  # CheckpointException is one: a corrupt file may break the load itself
+    except (Exception, CheckpointException):  # the latter is a BaseException; a corrupt file may break the load
         if files is not None:
             _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
         raise
     if isinstance(reader, VerifyingFileSystemReader):
-        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": files}, reader.digests, group=group,
+        rest = {n: i for n, i in files.items() if n != METADATA_FILENAME}  # checked before it was unpickled
+        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": rest}, reader.digests, group=group,
                                                   verify_rest=lambda d, m: verify_files(d, m, group=group)))
     target.restore_tensors(state)
     tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}

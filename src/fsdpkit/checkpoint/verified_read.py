@@ -2,8 +2,8 @@
 
 Why: checking every file's xxh3 before loading (`resolve_checkpoint(verify_checksums=True)`)
 reads the whole checkpoint once, then DCP reads it again to load it; on a cold cache that doubles
-the I/O of a resume. Here each rank hashes every file it reads whole, in offset order, while DCP
-turns the same bytes into tensors; at the same world size that covers every data file. Files no
+the I/O of a resume. Here each rank hashes every file it reads whole, in offset order, on a
+read-ahead thread, while the caller turns the same bytes into tensors; at the same world size that covers every data file. Files no
 rank read whole (a resharded load reads parts of several files) are hashed afterwards, split over
 ranks. `fsdpkit ckpt verify` keeps the separate, complete verification.
 """
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
@@ -26,6 +28,9 @@ from torch.futures import Future
 
 from fsdpkit.checkpoint.hashing import HASH_NAME
 from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
+
+READ_AHEAD_BYTES = int(os.environ.get("FSDPKIT_LOAD_READ_AHEAD_BYTES", str(64 << 20)))
+"""Bytes a verifying load reads ahead of deserialisation (at least one item, whatever its size)."""
 
 
 class VerifyingFileSystemReader(SafeFileSystemReader):
@@ -60,22 +65,42 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
             if ordered is None:
                 partial += reqs
                 continue
-            digest, size = xxhash.xxh3_64(), 0
-            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
-                for req in ordered:
-                    info: _StorageInfo = self.storage_data[req.storage_index]
-                    data = stream.read(info.length)
-                    digest.update(data)
-                    size += len(data)
-                    self._consume(req, info, io.BytesIO(data), planner)
-                if stream.read(1):  # longer than the manifest says: not the file that was written
-                    size += 1
-            self.digests[name] = (size, digest.hexdigest())
+            for req, info, data in self._read_ahead(name, ordered):
+                self._consume(req, info, io.BytesIO(data), planner)
         if partial:  # DCP's own slice reads for the rest
             super().read_data(LoadPlan(partial, plan.storage_data, plan.planner_data), planner).wait()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _read_ahead(self, name: str, ordered: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, bytes]]:
+        """(item, storage info, its bytes) in file order; a worker thread reads and hashes up to
+        READ_AHEAD_BYTES ahead (reads and xxh3 release the GIL), so the disk streams while the
+        caller deserialises. Records the file's (size, digest) once it was read to the end."""
+        digest, size = xxhash.xxh3_64(), [0]
+        with (self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream,
+              ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-load-read") as pool):
+
+            def read(length: int) -> bytes:  # one worker: runs in submission order
+                data = stream.read(length)
+                digest.update(data)
+                size[0] += len(data)
+                return data
+
+            ahead: deque[tuple[ReadItem, _StorageInfo, Any]] = deque()
+            queued = in_flight = 0
+            for _ in ordered:
+                while queued < len(ordered) and (not ahead or in_flight < READ_AHEAD_BYTES):
+                    info: _StorageInfo = self.storage_data[ordered[queued].storage_index]
+                    ahead.append((ordered[queued], info, pool.submit(read, info.length)))
+                    in_flight += info.length
+                    queued += 1
+                req, info, pending = ahead.popleft()
+                data = pending.result()
+                in_flight -= info.length
+                yield req, info, data
+            longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
+        self.digests[name] = (size[0] + len(longer), digest.hexdigest())
 
     def _consume(self, req: ReadItem, info: _StorageInfo, raw: io.BytesIO, planner: LoadPlanner) -> None:
         """What FileSystemReader.read_data does with one item's bytes (torch 2.13)."""
