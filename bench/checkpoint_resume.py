@@ -4,14 +4,14 @@ Whole resume (phase "resume"): a fresh torchrun launch that resumes from a check
 run does, timed from the orchestrator's launch of torchrun (FSDPKIT_BENCH_T0, wall clock, the
 same host) until the first training step after the resume returned on every rank:
 
-- fsdpkit: `resolve_checkpoint("auto", verify_checksums=True)` (the newest committed checkpoint,
-  every file's checksum verified) + `load_checkpoint(verify=True)` (fingerprint check, DCP load,
-  post-load per-tensor checksums), i.e. what `find_checkpoint` + `Checkpointer.resume` do with
-  the default settings (`checkpoint.verify_checksums`, `checkpoint.verify_on_load`), minus the
-  directory lock;
+- fsdpkit: `resolve_checkpoint("auto")` (the newest committed checkpoint) +
+  `load_checkpoint(verify=True, verify_files=True)` (fingerprint check, DCP load with every file's
+  checksum taken from the same read, post-load per-tensor checksums), i.e. what `find_checkpoint`
+  + `Checkpointer.resume` do with the default settings (`checkpoint.verify_checksums`,
+  `checkpoint.verify_on_load`), minus the directory lock;
 - plain DCP: `dcp.load` of the same directory (its path known) + `set_state_dict`;
-- in-process only, fsdpkit with the file checksums taken from the load's own read
-  (`resolve_checkpoint(verify_checksums=False)` + `load_checkpoint(verify_files=True)`).
+- in-process only, fsdpkit as it resumed before issue 15: every file's checksum verified first
+  (`resolve_checkpoint(verify_checksums=True)`, a full read), then `load_checkpoint(verify=True)`.
 
 The first step is one real forward/backward/AdamW step. The checkpoint part (resolution to loaded
 and verified) is timed apart; after the first step the same process repeats the checkpoint part of
@@ -54,33 +54,31 @@ from checkpoint_worker import (  # noqa: I001 - a sibling module of this script
 from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
 
 T0_ENV = "FSDPKIT_BENCH_T0"
-FSDPKIT, PLAIN = "fsdpkit resolve + load (verified)", "dcp.load + set_state_dict"
-ONE_READ = "fsdpkit, files verified while loading"
-RESUME_METHODS = (FSDPKIT, ONE_READ, PLAIN)
+FSDPKIT, PLAIN = "fsdpkit resume (files verified while loading)", "dcp.load + set_state_dict"
+TWO_READS = "fsdpkit, files verified before loading (two reads)"
+RESUME_METHODS = (FSDPKIT, TWO_READS, PLAIN)
 
 
-def resume_fsdpkit(b: Bench, root: Path) -> dict[str, Any]:
-    """What a resumed fsdpkit run does with the default settings (see the module docstring)."""
+def _resume(b: Bench, root: Path, *, before: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
-    path = resolve_checkpoint("auto", ckpt_root=root, group=b.sync_group, verify_checksums=True)
-    if path is None:
-        raise RuntimeError(f"no committed checkpoint under {root}")
-    t1 = time.perf_counter()
-    report = load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group, verify=True)
-    return {"resolve_s": t1 - t0, "load_s": report["load_s"], "verify_s": report["verify_s"]}
-
-
-def resume_one_read(b: Bench, root: Path) -> dict[str, Any]:
-    """The same checks, the file checksums taken from the load's own read (verified_read.py):
-    `load_checkpoint(verify_files=True)`; not yet what `find_checkpoint` + `Checkpointer.resume` do."""
-    t0 = time.perf_counter()
-    path = resolve_checkpoint("auto", ckpt_root=root, group=b.sync_group, verify_checksums=False)
+    path = resolve_checkpoint("auto", ckpt_root=root, group=b.sync_group, verify_checksums=before)
     if path is None:
         raise RuntimeError(f"no committed checkpoint under {root}")
     t1 = time.perf_counter()
     report = load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group, verify=True,
-                             verify_files=True)
+                             verify_files=not before)
     return {"resolve_s": t1 - t0, "load_s": report["load_s"], "verify_s": report["verify_s"]}
+
+
+def resume_fsdpkit(b: Bench, root: Path) -> dict[str, Any]:
+    """What `find_checkpoint` + `Checkpointer.resume` do with the default settings: resolution,
+    then `load_checkpoint(verify=True, verify_files=True)` (file checksums from the load's read)."""
+    return _resume(b, root, before=False)
+
+
+def resume_two_reads(b: Bench, root: Path) -> dict[str, Any]:
+    """The resume before issue 15: every file's checksum verified first (a full read), then the load."""
+    return _resume(b, root, before=True)
 
 
 def resume_plain(b: Bench, root: Path) -> dict[str, Any]:
@@ -94,7 +92,7 @@ def resume_plain(b: Bench, root: Path) -> dict[str, Any]:
     return {}
 
 
-RESUMES = {FSDPKIT: resume_fsdpkit, ONE_READ: resume_one_read, PLAIN: resume_plain}
+RESUMES = {FSDPKIT: resume_fsdpkit, TWO_READS: resume_two_reads, PLAIN: resume_plain}
 
 
 def _cold(b: Bench, root: Path) -> None:
