@@ -15,6 +15,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 from typing import Any, cast
 
@@ -65,8 +66,9 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
             if ordered is None:
                 partial += reqs
                 continue
-            for req, info, data in self._read_ahead(name, ordered):
-                self._consume(req, info, io.BytesIO(data), planner)
+            with closing(self._read_ahead(name, ordered)) as items:  # stops the read-ahead at once on an error
+                for req, info, data in items:
+                    self._consume(req, info, io.BytesIO(data), planner)
         if partial:  # DCP's own slice reads for the rest
             super().read_data(LoadPlan(partial, plan.storage_data, plan.planner_data), planner).wait()
         fut: Future[None] = Future()
