@@ -6,16 +6,17 @@ collects their JSON, and prints one markdown report against the targets; it writ
 bench/results/checkpoint.json. Checkpoints go to a temporary directory on the repository's disk
 (bench/checkpoint_run_*, or under --dir), deleted after every run and at the end.
 
-Ceilings (this process, torch on one thread, as each rank runs):
-- disk write: a new --ceiling-gib file written in 16 MiB os.write chunks, then fsync, 3 times
-  (median; each time a new file, the previous one deleted first, as between checkpoint runs);
-  also two half-size files written concurrently by two threads (the ranks write in parallel);
-- cold-ish read: the file's pages evicted with posix_fadvise(POSIX_FADV_DONTNEED) (no root
-  needed; on a VM the host may still cache the disk), then read in 16 MiB chunks; also O_DIRECT
-  reads and a warm (page-cache) re-read for reference;
+Ceilings (this process, torch on one thread, as each rank runs; every one a median of --ceiling-reps):
+- disk write: N new files (N = 1, 2 and every --scale-ranks count) of --ceiling-gib / N each,
+  written at once by N threads in 16 MiB os.write chunks, each fsynced (a new set of files per
+  repetition, the previous set deleted first, as between checkpoint runs): the yardstick of N
+  ranks saving at once is the N-stream figure, never the 1-stream one;
+- cold-ish read: the same N files read at once after evicting their pages with
+  posix_fadvise(POSIX_FADV_DONTNEED) (no root needed; on a VM the host may still cache the disk);
+  also O_DIRECT reads and a warm (page-cache) re-read of one file for reference;
 - memcpy: `dst.copy_(src)` between two existing 512 MiB tensors, and into a fresh allocation
-  (`torch.empty` + `copy_`, page faults included), 5 times each (median); also two copies at once
-  (two threads), as both ranks stage at the same moment (information; the target uses one copy).
+  (`torch.empty` + `copy_`, page faults included); also two copies at once (two threads), as both
+  ranks stage at the same moment (information; the target uses one copy).
 
 Model: nn.Linear(w, w, bias=False) layers (w = --width, default 2304, divisible by 1, 2 and 3 so no
 rank holds a padded shard), each `fully_shard`-ed, then the root; AdamW(foreach); one real
@@ -49,15 +50,21 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
   torchrun launches); time relative to the 2-rank load.
 - B6 goodput: --b6-steps fixed-cost steps, a save every --b6-every steps, for no checkpoint,
   fsdpkit sync, fsdpkit AsyncSaver and dcp.async_save, state --b6-size-gib; --b6-rounds runs of
-  each, in the order A B C D, then D C B A (a linear drift in machine load cancels in the means).
-  Overhead = mean loop time / mean loop time without checkpoints - 1; the loop ends when the last
-  step's save call returned, and the time from then until that save is durable (drain) is
-  reported apart. A fixed-cost step is a burst of [512, 512] matmuls calibrated to --step-ms, an
-  in-place add on every model and optimizer shard (so the async snapshot races with mutation)
-  and a one-element all-reduce: a real forward/backward/AdamW step of this model takes seconds on
-  2 CPU cores, too slow for 200 steps. B2 runs the same step while its saves are in flight.
+  each (medians), in the order A B C D, then D C B A, ...; on 2 ranks (no core free on a 2-core
+  machine) and on 1 rank (a core free for the background work, as on GPU nodes). Overhead =
+  median loop time / that without checkpoints - 1; the loop ends when the last step's save call
+  returned, and the time from then until that save is durable (drain) is reported apart. The
+  process CPU time of each run (all threads) minus that without checkpoints is the work the saves
+  add; fsdpkit's per-phase wall and CPU times come from its manifests. A fixed-cost step is a
+  burst of [512, 512] matmuls calibrated to --step-ms, an in-place add on every model and
+  optimizer shard (so the async snapshot races with mutation) and a one-element all-reduce: a
+  real forward/backward/AdamW step of this model takes seconds on 2 CPU cores. B2 runs the same
+  step while its saves are in flight.
+- B7 whole resume and B8 scaling: see bench/checkpoint_resume.py.
 
-Usage: python bench/checkpoint.py [--sizes-gib 1,2] [--runs 5] [--only B1,B2,...] [--quick] [--dir D]
+Duration with the defaults: about 20 minutes on a quiet 2-core VM (B6 ~6, B8 ~5, B7 ~4).
+
+Usage: python bench/checkpoint.py [--sizes-gib 1] [--runs 5] [--only B1,B2,...] [--quick] [--dir D] [--report-only]
 """
 
 from __future__ import annotations
@@ -81,13 +88,17 @@ from typing import Any
 import torch
 
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
-PHASES = ("B1", "B2", "B3", "B4", "B5", "B6")
+PHASES = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")
 CHUNK = 16 * 2**20
 MiB, GiB = 2**20, 2**30
 QUICK = {"sizes_gib": "0.125", "runs": 2, "b3_runs": 1, "b6_size_gib": 0.0625, "b6_steps": 40, "b6_every": 10,
-         "step_ms": 20.0, "ceiling_gib": 0.25, "memcpy_mib": 128, "b6_rounds": 1}
-FULL = {"sizes_gib": "1,2", "runs": 5, "b3_runs": 1, "b6_size_gib": 0.5, "b6_steps": 200, "b6_every": 20,
-        "step_ms": 100.0, "ceiling_gib": 1.0, "memcpy_mib": 512, "b6_rounds": 2}
+         "step_ms": 20.0, "ceiling_gib": 0.25, "memcpy_mib": 128, "b6_rounds": 1, "ceiling_reps": 2,
+         "resume_launches": 1, "scale_sizes_gib": "0.0625,0.125", "scale_rank_size_gib": 0.125, "scale_ranks": "1,2",
+         "scale_runs": 1}
+FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps": 80, "b6_every": 20,
+        "step_ms": 100.0, "ceiling_gib": 1.0, "memcpy_mib": 512, "b6_rounds": 5, "ceiling_reps": 5,
+        "resume_launches": 5, "scale_sizes_gib": "0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0, "scale_ranks": "1,2,4",
+        "scale_runs": 3}
 
 
 # -- ceilings --------------------------------------------------------------------------------
@@ -123,42 +134,74 @@ def _read_file(path: Path, *, drop: bool, direct: bool = False) -> float:
         buf.close()
 
 
-def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    nbytes = int(gib * GiB) // CHUNK * CHUNK
-    block = os.urandom(CHUNK)
-    # A new file per repetition, the previous one deleted first: the pattern of the checkpoint runs
-    # (new files, the last run's deleted). Rewriting one file in place (O_TRUNC) was ~4x slower here.
-    paths = [workdir / f"ceiling_{i}.bin" for i in range(3)]
-    writes = []
-    for i, path in enumerate(paths):
-        if i:
-            paths[i - 1].unlink()
-        writes.append(_write_file(path, nbytes, block))
-    path = paths[-1]  # kept for the read tests
-    cold = [_read_file(path, drop=True) for _ in range(3)]
-    try:
-        direct: list[float] | None = [_read_file(path, drop=True, direct=True) for _ in range(3)]
-    except OSError:
-        direct = None
-    warm = [_read_file(path, drop=False) for _ in range(3)]
-    path.unlink()
-    pair = [workdir / "ceiling_a.bin", workdir / "ceiling_b.bin"]
-    half = nbytes // 2 // CHUNK * CHUNK
+def _concurrently(fns: list) -> float:
+    """Seconds until every one of `fns`, each started on its own thread at once, returned."""
+    threads = [threading.Thread(target=fn) for fn in fns]
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=_write_file, args=(p, half, block)) for p in pair]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    two = time.perf_counter() - t0
-    for p in pair:
+    return time.perf_counter() - t0
+
+
+def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block: bytes) -> dict[str, Any]:
+    """`streams` new files of nbytes/streams each, written at once by as many threads (os.write
+    drops the GIL), each fsynced: what N ranks writing their shards at once can reach. A new set
+    of files per repetition, the previous set deleted first (the pattern of the checkpoint runs:
+    new files, the last run's deleted; rewriting one file in place was ~4x slower here)."""
+    each = nbytes // streams // CHUNK * CHUNK
+    times, fsyncs = [], []
+    previous: list[Path] = []
+    for r in range(reps):
+        for p in previous:
+            p.unlink()
+        previous = [workdir / f"ceiling_{streams}_{r}_{i}.bin" for i in range(streams)]
+        out: list[tuple[float, float]] = []
+        times.append(_concurrently([lambda p=p, out=out: out.append(_write_file(p, each, block)) for p in previous]))
+        fsyncs.append(max(f for _, f in out))
+    for p in previous:
         p.unlink()
+    total = each * streams
+    runs = [total / t / 1e9 for t in times]
+    return {"streams": streams, "bytes": total, "gbps": statistics.median(runs), "runs_gbps": runs,
+            "fsync_s": fsyncs}
+
+
+def read_ceiling(paths: list[Path], *, reps: int, drop: bool, direct: bool = False) -> dict[str, Any]:
+    """All of `paths` read at once, one thread each (evicted from the page cache first if `drop`)."""
+    total = sum(p.stat().st_size for p in paths)
+    runs = [total / _concurrently([lambda p=p: _read_file(p, drop=drop, direct=direct) for p in paths]) / 1e9
+            for _ in range(reps)]
+    return {"streams": len(paths), "bytes": total, "gbps": statistics.median(runs), "runs_gbps": runs}
+
+
+def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: list[int], reps: int) -> dict[str, Any]:
+    """Disk, page-cache and memcpy ceilings; every figure a median of `reps` repetitions."""
+    torch.set_num_threads(1)
+    nbytes = int(gib * GiB) // CHUNK * CHUNK
+    block = os.urandom(CHUNK)
+    writes = {str(n): write_ceiling(workdir, nbytes=nbytes, streams=n, reps=reps, block=block) for n in streams}
+    reads: dict[str, Any] = {}
+    for n in streams:  # N ranks loading read N files at once
+        each = nbytes // n // CHUNK * CHUNK
+        paths = [workdir / f"read_{n}_{i}.bin" for i in range(n)]
+        for p in paths:
+            _write_file(p, each, block)
+        reads[str(n)] = read_ceiling(paths, reps=reps, drop=True)
+        if n == 1:
+            try:
+                reads["o_direct_1"] = read_ceiling(paths, reps=reps, drop=True, direct=True)
+            except OSError:
+                reads["o_direct_1"] = None
+            reads["warm_1"] = read_ceiling(paths, reps=reps, drop=False)
+        for p in paths:
+            p.unlink()
     n = memcpy_mib * MiB // 4
     src, dst = torch.ones(n), torch.empty(n)
     dst.copy_(src)  # touch the pages once
     copies, fresh = [], []
-    for _ in range(5):
+    for _ in range(reps):
         t0 = time.perf_counter()
         dst.copy_(src)
         copies.append(time.perf_counter() - t0)
@@ -166,26 +209,15 @@ def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int) -> dict[str,
         torch.empty(n).copy_(src)
         fresh.append(time.perf_counter() - t0)
     pair_src, pair_dst = [torch.ones(n) for _ in range(2)], [torch.ones(n) for _ in range(2)]  # pages touched
-    together = []
-    for _ in range(5):  # two copies at once (copy_ drops the GIL): both ranks stage at the same moment
-        threads = [threading.Thread(target=d.copy_, args=(s,)) for d, s in zip(pair_dst, pair_src, strict=True)]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        together.append(time.perf_counter() - t0)
+    # two copies at once (copy_ drops the GIL): both ranks stage at the same moment
+    together = [_concurrently([lambda d=d, s=s: d.copy_(s) for d, s in zip(pair_dst, pair_src, strict=True)])
+                for _ in range(reps)]
     del src, dst, pair_src, pair_dst
     gbps = lambda b, ts: b / statistics.median(ts) / 1e9  # noqa: E731
     return {
-        "file_bytes": nbytes,
-        "write_fsync_gbps": gbps(nbytes, [w for w, _ in writes]),
-        "write_fsync_runs_gbps": [nbytes / w / 1e9 for w, _ in writes],
-        "fsync_s": [f for _, f in writes],
-        "write_fsync_2streams_gbps": half * 2 / two / 1e9,
-        "read_cold_fadvise_gbps": gbps(nbytes, cold),
-        "read_o_direct_gbps": gbps(nbytes, direct) if direct else None,
-        "read_warm_gbps": gbps(nbytes, warm),
+        "reps": reps,
+        "write_fsync": writes,
+        "read_cold": reads,
         "memcpy_bytes": n * 4,
         "memcpy_gbps": gbps(n * 4, copies),
         "memcpy_fresh_alloc_gbps": gbps(n * 4, fresh),
@@ -208,84 +240,179 @@ def code_version() -> dict[str, Any]:
     return {"head": head.stdout.strip()[:72], "uncommitted": bool(dirty.stdout.strip()), "digest": digest.hexdigest()[:12]}
 
 
-def launch(args: argparse.Namespace, phase: str, nproc: int, size: float, workdir: Path) -> dict[str, Any] | str:
+def launch(args: argparse.Namespace, phase: str, nproc: int, size: float, workdir: Path, *, tag: str = "",
+           extra: tuple[str, ...] = ()) -> dict[str, Any] | str:
     """One torchrun phase; its rank 0's JSON, or why there is none."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
-           "--phase", phase, "--phase-size-gib", str(size), "--workdir", str(workdir),
+           "--phase", phase, "--phase-size-gib", str(size), "--workdir", str(workdir), "--tag", tag,
            "--only", ",".join(args.only), "--runs", str(args.runs), "--b3-runs", str(args.b3_runs),
            "--width", str(args.width), "--step-ms", str(args.step_ms), "--b6-steps", str(args.b6_steps),
-           "--b6-every", str(args.b6_every), "--b6-rounds", str(args.b6_rounds)]
-    print(f"[checkpoint bench] phase {phase}, {nproc} ranks, {size:g} GiB", file=sys.stderr, flush=True)
-    rc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
-    out = workdir / f"result_{phase}_{nproc}_{size:g}.json"
+           "--b6-every", str(args.b6_every), "--b6-rounds", str(args.b6_rounds), "--scale-runs", str(args.scale_runs),
+           *extra]
+    print(f"[checkpoint bench] phase {phase}{tag}, {nproc} ranks, {size:g} GiB", file=sys.stderr, flush=True)
+    # the whole-resume phase times from here: torchrun's and the interpreters' start-up included
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDPKIT_BENCH_T0": repr(time.time())}
+    rc = subprocess.run(cmd, env=env).returncode
+    out = workdir / f"result_{phase}_{nproc}_{size:g}{tag}.json"
     if not out.is_file():
-        return f"phase {phase} on {nproc} ranks ({size:g} GiB) failed with exit code {rc}"
+        return f"phase {phase}{tag} on {nproc} ranks ({size:g} GiB) failed with exit code {rc}"
     return json.loads(out.read_text())
 
 
+def _evict(root: Path) -> None:
+    from checkpoint_worker import drop_page_cache  # noqa: I001 - a sibling module of this script
+
+    drop_page_cache(root)
+
+
+def whole_resumes(args: argparse.Namespace, nproc: int, size: float, workdir: Path, root: Path, *,
+                  launches: int, runs: int, methods: tuple[str, ...]) -> list[dict[str, Any] | str]:
+    """`launches` fresh resumed runs per method of `methods`, alternating (cold pages each time)."""
+    out = []
+    for i in range(launches):
+        for k, method in enumerate(methods[i % len(methods):] + methods[: i % len(methods)]):
+            _evict(root)
+            out.append(launch(args, "resume", nproc, size, workdir, tag=f"_{i}_{k}",
+                              extra=("--resume-root", str(root), "--resume-first", method, "--runs", str(runs))))
+    return out
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def scaling(args: argparse.Namespace, workdir: Path, results: dict[str, Any]) -> None:
+    """B8: save and whole resume per (state size, ranks); sizes that would not fit in RAM skipped."""
+    from checkpoint_resume import FSDPKIT, RESUME_METHODS  # noqa: I001 - a sibling module of this script
+
+    rows: dict[str, Any] = {}
+    configs = [(s, 2) for s in args.scale_sizes] + [(args.scale_rank_size, n) for n in args.scale_ranks if n != 2]
+    for size, nproc in configs:
+        key = f"{size:g} GiB x {nproc} ranks"
+        need = 3 * size * GiB  # state + a loaded copy in flight + headroom; the page cache may be evicted
+        if need > _available_bytes():
+            rows[key] = {"skipped": f"needs ~{need / GiB:.1f} GiB of RAM, {_available_bytes() / GiB:.1f} available"}
+            continue
+        keep = workdir / f"scale_src_{nproc}_{size:g}"
+        saved = launch(args, "scale", nproc, size, workdir, extra=("--resume-root", str(keep)))
+        resumed = (whole_resumes(args, nproc, size, workdir, keep, launches=1, runs=args.scale_runs,
+                                 methods=(FSDPKIT,)) if not isinstance(saved, str) else ["not saved"])
+        shutil.rmtree(keep, ignore_errors=True)
+        errors = [x for x in (saved, *resumed) if isinstance(x, str)]
+        results["errors"] += errors
+        rows[key] = {"size_gib": size, "ranks": nproc, "errors": errors,
+                     "save": None if isinstance(saved, str) else saved,
+                     "resume": None if isinstance(resumed[0], str) else resumed[0]}
+    results["scaling"] = {"rows": rows, "runs": args.scale_runs, "methods": RESUME_METHODS}
+
+
 def orchestrate(args: argparse.Namespace) -> int:
+    from checkpoint_resume import FSDPKIT, PLAIN  # noqa: I001 - a sibling module of this script
+
     t_start = time.monotonic()
     load_before = os.getloadavg()
     parent = Path(args.dir) if args.dir else Path(__file__).parent
     parent.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="checkpoint_run_", dir=parent))
     repo_dev = os.stat(Path(__file__).parent).st_dev
-    results: dict[str, Any] = {"sizes": {}, "errors": [], "code_before": code_version()}
+    results: dict[str, Any] = {"sizes": {}, "errors": [], "code_before": code_version(),
+                               "started_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     try:
         print(f"[checkpoint bench] ceilings in {workdir}", file=sys.stderr, flush=True)
-        results["ceilings"] = measure_ceilings(workdir, gib=args.ceiling_gib, memcpy_mib=args.memcpy_mib)
+        streams = sorted({1, 2, *args.scale_ranks})
+        results["ceilings"] = measure_ceilings(workdir, gib=args.ceiling_gib, memcpy_mib=args.memcpy_mib,
+                                               streams=streams, reps=args.ceiling_reps)
         for size in args.sizes:
             per: dict[str, Any] = {}
-            if set(args.only) & {"B1", "B2", "B3", "B4", "B5"}:
+            if set(args.only) & {"B1", "B2", "B3", "B4", "B5", "B7"}:
                 per["main"] = launch(args, "main", 2, size, workdir)
             if "B5" in args.only:
                 per["load_1"] = launch(args, "load", 1, size, workdir)
                 per["load_3"] = launch(args, "load", 3, size, workdir)
+            if "B7" in args.only and size == args.sizes[0]:  # fresh launches are slow: the first size only
+                per["whole_resume"] = whole_resumes(args, 2, size, workdir, workdir / f"src_{size:g}",
+                                                    launches=args.resume_launches, runs=1, methods=(FSDPKIT, PLAIN))
+                results["errors"] += [v for v in per["whole_resume"] if isinstance(v, str)]
+                per["whole_resume"] = [v for v in per["whole_resume"] if not isinstance(v, str)]
             shutil.rmtree(workdir / f"src_{size:g}", ignore_errors=True)
             results["errors"] += [v for v in per.values() if isinstance(v, str)]
             results["sizes"][f"{size:g}"] = {k: v for k, v in per.items() if not isinstance(v, str)}
+        if "B8" in args.only:
+            scaling(args, workdir, results)
         if "B6" in args.only:
-            g = launch(args, "goodput", 2, args.b6_size_gib, workdir)
-            if isinstance(g, str):
-                results["errors"].append(g)
-            else:
-                results["goodput"] = g
+            for key, nproc in (("goodput", 2), ("goodput_free_core", 1)):
+                g = launch(args, "goodput", nproc, args.b6_size_gib, workdir)
+                if isinstance(g, str):
+                    results["errors"].append(g)
+                else:
+                    results[key] = g
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    results["machine"] = {
-        "cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
-        "checkpoint_dir_same_device_as_repo": os.stat(parent).st_dev == repo_dev, "checkpoint_parent": str(parent),
-    }
+    results["machine"] = machine(parent, repo_dev, load_before)
     results["code_after"] = code_version()
     results["config"] = {k: v for k, v in vars(args).items() if not k.startswith("phase") and k != "workdir"}
     results["elapsed_s"] = time.monotonic() - t_start
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")  # first: a report that fails loses no figures
+    print(report(), flush=True)
+    return 1 if results["errors"] else 0
+
+
+def report() -> str:
+    """Render RESULTS (and store the verdicts in it): the markdown report."""
     from checkpoint_report import render  # noqa: I001 - a sibling module of this script
 
+    results = json.loads(RESULTS.read_text())
     text, results["targets"] = render(results)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results["markdown"] = text
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
-    print(text + f"\nwritten to {RESULTS}", flush=True)
-    return 1 if results["errors"] else 0
+    return text + f"\nwritten to {RESULTS}"
+
+
+def machine(parent: Path, repo_dev: int, load_before: tuple[float, float, float]) -> dict[str, Any]:
+    """What the figures were measured on."""
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    mem = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
+               if line.startswith("MemTotal:"))
+    fs = subprocess.run(["df", "-T", str(parent)], capture_output=True, text=True).stdout.splitlines()[-1:]
+    return {"cpu_count": os.cpu_count(), "cpu_model": cpu, "mem_total_bytes": mem, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__, "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(), "checkpoint_dir_same_device_as_repo": os.stat(parent).st_dev == repo_dev,
+            "checkpoint_parent": str(parent), "checkpoint_filesystem": fs[0] if fs else "unknown"}
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes-gib", help="total state sizes over 2 ranks (default 1,2)")
+    p.add_argument("--sizes-gib", help="total state sizes over 2 ranks for B1-B5, B7 (default 1; B8 covers 0.25-4)")
     p.add_argument("--runs", type=int, help="runs per method for medians (default 5)")
-    p.add_argument("--b3-runs", type=int, help="runs per method for peak memory (default 1)")
+    p.add_argument("--b3-runs", type=int, help="runs per method for peak memory (default 3)")
     p.add_argument("--only", default=",".join(PHASES), help="phases to run, e.g. B1,B2 (default all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes and few runs: a ~1-minute smoke run")
     p.add_argument("--dir", help="where the temporary checkpoint directory goes (default bench/)")
     p.add_argument("--width", type=int, default=2304, help="Linear layer width (default 2304)")
     p.add_argument("--step-ms", type=float, help="matmul burst of the fixed-cost step, ms (default 100)")
     p.add_argument("--b6-size-gib", type=float, help="state size for B6 (default 0.5)")
-    p.add_argument("--b6-steps", type=int, help="B6 steps (default 200)")
+    p.add_argument("--b6-steps", type=int, help="B6 steps (default 80)")
     p.add_argument("--b6-every", type=int, help="B6: save every N steps (default 20)")
-    p.add_argument("--b6-rounds", type=int, help="B6: runs of each mode, in alternating order (default 2)")
+    p.add_argument("--b6-rounds", type=int, help="B6: runs of each mode, in alternating order (default 5)")
     p.add_argument("--ceiling-gib", type=float, help="file size for the disk ceilings (default 1)")
     p.add_argument("--memcpy-mib", type=int, help="tensor size for the memcpy ceiling (default 512)")
+    p.add_argument("--ceiling-reps", type=int, help="repetitions of every ceiling, medians (default 5)")
+    p.add_argument("--resume-launches", type=int, help="B7: fresh resumed runs per method (default 5)")
+    p.add_argument("--scale-sizes-gib", help="B8: state sizes over 2 ranks (default 0.25,0.5,1,2,4)")
+    p.add_argument("--scale-rank-size-gib", type=float, help="B8: state size for the rank counts (default 1)")
+    p.add_argument("--scale-ranks", help="B8: rank counts at that size (default 1,2,4)")
+    p.add_argument("--scale-runs", type=int, help="B8: runs per size and method (default 3)")
+    p.add_argument("--report-only", action="store_true", help=f"re-render the report of {RESULTS.name} and exit")
     p.add_argument("--phase", help=argparse.SUPPRESS)
+    p.add_argument("--tag", default="", help=argparse.SUPPRESS)
+    p.add_argument("--resume-root", help=argparse.SUPPRESS)
+    p.add_argument("--resume-first", help=argparse.SUPPRESS)
     p.add_argument("--phase-size-gib", type=float, help=argparse.SUPPRESS)
     p.add_argument("--workdir", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -293,6 +420,9 @@ def parse_args() -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.sizes = [float(s) for s in str(args.sizes_gib).split(",")]
+    args.scale_sizes = [float(s) for s in str(args.scale_sizes_gib).split(",")]
+    args.scale_rank_size = float(args.scale_rank_size_gib)
+    args.scale_ranks = [int(s) for s in str(args.scale_ranks).split(",")]
     args.only = [s.strip().upper() for s in args.only.split(",") if s.strip()]
     unknown = set(args.only) - set(PHASES)
     if unknown:
@@ -302,6 +432,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    if args.report_only:
+        print(report())
+        return
     if "RANK" in os.environ:
         from checkpoint_worker import run_phase  # noqa: I001 - a sibling module of this script
 

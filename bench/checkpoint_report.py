@@ -18,32 +18,58 @@ def _f(x: float | None, fmt: str = ".2f") -> str:
     return "n/a" if x is None else format(x, fmt)
 
 
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def _range(xs: list[float], fmt: str = ".2f") -> str:
+    """min-max (n) of a list of runs."""
+    return f"{format(min(xs), fmt)}–{format(max(xs), fmt)} ({len(xs)})" if xs else "n/a"
+
+
+def write_ceiling(c: dict[str, Any], streams: int) -> float:
+    """The write+fsync GB/s of `streams` files written at once (the nearest measured count below)."""
+    w = c["write_fsync"]
+    return w[str(max(int(k) for k in w if int(k) <= streams))]["gbps"]
+
+
+def read_ceiling(c: dict[str, Any], streams: int) -> float:
+    r = {k: v for k, v in c["read_cold"].items() if k.isdigit()}
+    return r[str(max(int(k) for k in r if int(k) <= streams))]["gbps"]
+
+
 def _target(rows: list[dict[str, Any]], name: str, size: str, value: float | None, goal: str, ok: bool | None,
             shown: str) -> None:
     rows.append({"target": name, "size": size, "value": value, "goal": goal,
                  "met": None if value is None else bool(ok), "shown": shown})
 
 
-def _b1(size: str, main: dict[str, Any], disk: float, targets: list, lines: list, notes: list) -> None:
+def _b1(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, lines: list, notes: list) -> None:
     b1 = main["B1"]
     total = sum(main["state_bytes_per_rank"])
+    n = len(main["state_bytes_per_rank"])
+    disk, one = write_ceiling(c, n), write_ceiling(c, 1)
     med = b1["median_s"]
     for name, t in med.items():
         gbps = total / t / 1e9
-        runs = ", ".join(f"{x:.2f}" for x in b1["seconds"][name])
-        lines.append(f"| {size} | {name} | {t:.2f} | {gbps:.2f} | {gbps / disk:.2f} | "
-                     f"{t / med[FSDPKIT_SYNC]:.2f} | {runs} |")
-    timings = b1["fsdpkit_manifest_timings"]
+        lines.append(f"| {size} | {name} | {t:.2f} | {_range(b1['seconds'][name])} | {gbps:.2f} | "
+                     f"{gbps / disk:.2f} ({gbps / one:.2f}) | {t / med[DCP_SYNC]:.2f} | {t / med[FSDPKIT_SYNC]:.2f} |")
+    timings = [t for t in b1["fsdpkit_manifest_timings"] if "hash_cpu_s" in t]
     if timings:
-        hash_s = sorted(t["hash_s"] for t in timings)[len(timings) // 2]
-        write_s = sorted(t["write_s"] for t in timings)[len(timings) // 2]
-        notes.append(f"{size} GiB: fsdpkit's own timings (its manifest, rank 0, medians): tensor checksums "
-                     f"{hash_s:.2f} s, then DCP write + file-list gather {write_s:.2f} s")
+        m = {k: _median([t[k] for t in timings]) for k in timings[0]}
+        notes.append(f"{size} GiB: fsdpkit's own timings (rank 0's manifest, medians): DCP write + file-list gather "
+                     f"{m['write_s']:.2f} s ({m['write_cpu_s']:.2f} s CPU); tensor checksums on a worker thread meanwhile "
+                     f"{m['hash_s']:.2f} s ({m['hash_cpu_s']:.2f} s CPU), waited for after the write "
+                     f"{m['hash_wait_s'] * 1e3:.0f} ms, summed over ranks {m['hash_reduce_s'] * 1e3:.0f} ms; "
+                     f"whole save in the manifest {m['total_s']:.2f} s")
     gbps = total / med[FSDPKIT_SYNC] / 1e9
-    _target(targets, "B1 fsdpkit sync durable GB/s / disk write+fsync GB/s", size, gbps / disk, ">= 0.8",
-            gbps / disk >= 0.8, f"{gbps:.2f} / {disk:.2f} = {gbps / disk:.2f}")
+    _target(targets, f"B1 fsdpkit sync durable GB/s / disk write+fsync GB/s ({n} streams at once, as {n} ranks)", size,
+            gbps / disk, ">= 0.8", gbps / disk >= 0.8,
+            f"{gbps:.2f} / {disk:.2f} = {gbps / disk:.2f} (1-stream ceiling {one:.2f}: {gbps / one:.2f})")
     r = med[FSDPKIT_SYNC] / med[DCP_SYNC]
-    _target(targets, "B1 fsdpkit sync time / dcp.save time", size, r, "<= 1.10", r <= 1.10,
+    _target(targets, "B1 fsdpkit sync time / dcp.save time", size, r, "<= 1.05", r <= 1.05,
             f"{med[FSDPKIT_SYNC]:.2f} s / {med[DCP_SYNC]:.2f} s = {r:.2f}")
     r = med[TORCH_SYNC] / med[FSDPKIT_SYNC]
     _target(targets, "B1 torch.save recipe time / fsdpkit sync time", size, r, "> 1 (fsdpkit faster)", r > 1,
@@ -109,17 +135,113 @@ def _loads(size: str, per: dict[str, Any], targets: list, lines: list) -> None:
                     "<= 1.2", x <= 1.2, f"{m[FSDPKIT_LOAD]:.2f} s / {same['median_s'][FSDPKIT_LOAD]:.2f} s = {x:.2f}")
 
 
-def _b6(g: dict[str, Any], targets: list, lines: list) -> None:
+def _b6(g: dict[str, Any], label: str, targets: list, lines: list) -> None:
     b6 = g["B6"]
     size = f"{g['size_gib']:g}"
     for mode in ("no checkpoint", "fsdpkit sync", FSDPKIT_ASYNC, "dcp.async_save"):
         r = b6[mode]
         over = "-" if mode == "no checkpoint" else f"{r['overhead_pct']:+.1f}%"
-        lines.append(f"| {mode} | {', '.join(f'{x:.2f}' for x in r['loop_s'])} | {r['loop_mean_s']:.2f} | {over} | "
-                     f"{r['saves_per_run']} | {r['stall_mean_s'] * 1e3:.0f} | {r['drain_mean_s']:.2f} |")
-    for mode in ("fsdpkit sync", FSDPKIT_ASYNC):
-        over = b6[mode]["overhead_pct"]
-        _target(targets, f"B6 goodput overhead, {mode} (%)", size, over, "<= 3", over <= 3, f"{over:+.1f}%")
+        extra = "-" if mode == "no checkpoint" else f"{r['extra_cpu_s']:+.2f} s = {r['extra_cpu_over_loop_pct']:+.1f}%"
+        ph = r.get("fsdpkit_phase_median_s", {})
+        bg = (f"write {ph['write_s']:.2f} s / {ph['write_cpu_s']:.2f} CPU; hash {ph['hash_s']:.2f} s / "
+              f"{ph['hash_cpu_s']:.2f} CPU" + (f"; background thread CPU {ph['background_cpu_s']:.2f} s"
+                                               if "background_cpu_s" in ph else "")
+              if "write_cpu_s" in ph else "-")
+        lines.append(f"| {label} | {mode} | {r['loop_median_s']:.2f} | {_range(r['loop_s'])} | {over} | "
+                     f"{r['saves_per_run']} | {r['stall_median_s'] * 1e3:.0f} | {r['drain_median_s']:.2f} | "
+                     f"{extra} | {bg} |")
+    over, dcp = b6[FSDPKIT_ASYNC]["overhead_pct"], b6["dcp.async_save"]["overhead_pct"]
+    if b6["world_size"] == 1:
+        _target(targets, "B6 async overhead with a core free for the background (1 rank on 2 cores) (%)", size, over,
+                "<= 2", over <= 2, f"{over:+.1f}%")
+    else:
+        allowed = b6[FSDPKIT_ASYNC]["extra_cpu_over_loop_pct"]
+        _target(targets, f"B6 async overhead, no core free ({b6['world_size']} ranks) (%)", size, over,
+                f"<= its extra CPU / loop = {allowed:.1f}%", over <= allowed,
+                f"{over:+.1f}% (extra CPU {b6[FSDPKIT_ASYNC]['extra_cpu_s']:.2f} s per rank)")
+        sync = b6["fsdpkit sync"]["overhead_pct"]
+        _target(targets, "B6 goodput overhead, fsdpkit sync (%)", size, sync, "<= 3", sync <= 3, f"{sync:+.1f}%")
+    _target(targets, f"B6 fsdpkit async overhead < dcp.async_save's ({b6['world_size']} rank(s))", size, over,
+            f"< {dcp:+.1f}%", over < dcp, f"{over:+.1f}% vs {dcp:+.1f}%")
+
+
+def _b7(size: str, runs: list[dict[str, Any]], targets: list, lines: list) -> None:
+    """Whole resume: launches (process start -> first step) and the checkpoint part in-process."""
+    from checkpoint_resume import FSDPKIT, PLAIN, TWO_READS  # noqa: I001 - a sibling module of this script
+
+    res = [r["resume"] for r in runs]
+    for m in (FSDPKIT, TWO_READS, PLAIN):
+        part = [x for r in res for x in r["seconds"].get(m, [])]
+        firsts = [r for r in res if r["first_method"] == m]
+        whole = [r["start_to_first_step_s"] for r in firsts]
+        part_first = [r["checkpoint_s"] for r in firsts]
+        built = [r["start_to_built_s"] for r in firsts]
+        step = [r["first_step_s"] for r in firsts]
+        if not part:
+            continue
+        if not whole:
+            lines.append(f"| {size} | {m} | - | - | - | - | - | {_median(part):.2f} | {_range(part)} |")
+            continue
+        lines.append(f"| {size} | {m} | {_median(whole):.2f} | {_range(whole)} | {_median(built):.2f} | "
+                     f"{_median(part_first):.2f} | {_median(step):.2f} | {_median(part):.2f} | {_range(part)} |")
+    part_f = _median([x for r in res for x in r["seconds"][FSDPKIT]])
+    part_p = _median([x for r in res for x in r["seconds"][PLAIN]])
+    x = part_f / part_p
+    _target(targets, "B7 whole resume, checkpoint part: fsdpkit (resolve + load verifying files as read + "
+            "tensor checks) / dcp.load + set_state_dict", size, x, "<= 1.2", x <= 1.2,
+            f"{part_f:.2f} s / {part_p:.2f} s = {x:.2f} (files verified before loading, two reads: "
+            f"{_median([x for r in res for x in r['seconds'].get(TWO_READS, [])] or [float('nan')]) / part_p:.2f})")
+    parts = [r["fsdpkit_parts_median_s"] for r in res if r.get("fsdpkit_parts_median_s")]
+    if parts:
+        lines.append(f"fsdpkit's parts at {size} GiB (medians over launches): " + ", ".join(
+            f"{k} {_median([p[k] for p in parts]):.2f} s" for k in parts[0]))
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares y = a + b x: (a, b, r^2)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    a = my - b * mx
+    ss = sum((y - my) ** 2 for y in ys)
+    r2 = 1 - sum((y - a - b * x) ** 2 for x, y in zip(xs, ys, strict=True)) / ss if ss else 1.0
+    return a, b, r2
+
+
+def _b8(sc: dict[str, Any], c: dict[str, Any], targets: list, lines: list) -> None:
+    from checkpoint_resume import FSDPKIT, PLAIN  # noqa: I001 - a sibling module of this script
+
+    pts: dict[str, list[tuple[float, float]]] = {"save": [], "resume": []}
+    for key, row in sc["rows"].items():
+        if "skipped" in row:
+            lines.append(f"| {key} | skipped: {row['skipped']} |||||||||")
+            continue
+        save, resume = row["save"], row["resume"]
+        if save is None or resume is None:
+            lines.append(f"| {key} | failed: {'; '.join(row['errors'])} |||||||||")
+            continue
+        total = sum(save["state_bytes_per_rank"])
+        sv = save["scale"]
+        rs = resume["resume"]
+        fs, ds = sv["median_s"]["fsdpkit save_checkpoint"], sv["median_s"]["dcp.save"]
+        fr, pr = rs["median_s"][FSDPKIT], rs["median_s"][PLAIN]
+        n = row["ranks"]
+        lines.append(f"| {key} | {total / 2**30:.2f} | {fs:.2f} ({fs / ds:.2f}× dcp.save) | {total / fs / 1e9:.2f} "
+                     f"({total / fs / 1e9 / write_ceiling(c, n):.2f}× disk) | "
+                     f"{sv['peak_rss_bytes']['fsdpkit save_checkpoint'] / MiB:.0f} | {fr:.2f} ({fr / pr:.2f}× dcp.load) | "
+                     f"{total / fr / 1e9:.2f} ({total / fr / 1e9 / read_ceiling(c, n):.2f}× cold read) | "
+                     f"{rs['peak_rss_bytes'][FSDPKIT] / MiB:.0f} | {rs['start_to_first_step_s']:.2f} |")
+        if n == 2:
+            pts["save"].append((total / 2**30, fs))
+            pts["resume"].append((total / 2**30, fr))
+    for what, xy in pts.items():
+        if len(xy) < 3:
+            continue
+        a, b, r2 = _fit([x for x, _ in xy], [y for _, y in xy])
+        lines.append(f"{what} on 2 ranks: time = {a:+.3f} s + {b:.3f} s/GiB × size (r² {r2:.3f})")
+        _target(targets, f"B8 {what} time on 2 ranks vs size: constant of the linear fit (s)", "0.25–4", a,
+                "< 0.1 s, linear (r² >= 0.98)", a < 0.1 and r2 >= 0.98, f"{a:+.3f} s + {b:.3f} s/GiB, r² {r2:.3f}")
 
 
 def _code_line(res: dict[str, Any]) -> str:
@@ -131,11 +253,34 @@ def _code_line(res: dict[str, Any]) -> str:
     return line + "; unchanged during the run"
 
 
+def _ceiling_rows(c: dict[str, Any]) -> list[str]:
+    reps = c["reps"]
+    rows = [f"| disk write + fsync, {n} stream(s) at once | **{w['gbps']:.2f} GB/s** | {_range(w['runs_gbps'])} | "
+            f"{n} new file(s) of {w['bytes'] / int(n) / 2**30:.2g} GiB, one thread each, 16 MiB os.write chunks, then fsync; "
+            f"the ceiling of {n} rank(s) saving |" for n, w in sorted(c["write_fsync"].items(), key=lambda x: int(x[0]))]
+    for k, r in c["read_cold"].items():
+        if r is None:
+            continue
+        how = ("O_DIRECT, 16 MiB aligned reads" if k.startswith("o_direct") else "page cache (warm)" if k.startswith("warm")
+               else "posix_fadvise(DONTNEED), then 16 MiB reads (a VM host may still cache)")
+        kind = "O_DIRECT" if k.startswith("o_direct") else "warm" if k.startswith("warm") else "cold-ish"
+        rows.append(f"| read, {r['streams']} stream(s) at once, {kind} | "
+                    f"{r['gbps']:.2f} GB/s | {_range(r['runs_gbps'])} | {how} |")
+    rows += [f"| memcpy | **{c['memcpy_gbps']:.2f} GB/s** | median of {reps} | torch copy_ into an existing tensor, "
+             f"1 thread, {c['memcpy_bytes'] / MiB:.0f} MiB |",
+             f"| memcpy into a fresh allocation | {c['memcpy_fresh_alloc_gbps']:.2f} GB/s | median of {reps} | "
+             "torch.empty + copy_ (page faults) |",
+             f"| memcpy, two at once (each) | {c['memcpy_2threads_each_gbps']:.2f} GB/s | median of {reps} | two threads "
+             "copying concurrently, as two ranks staging at once |"]
+    return rows
+
+
 def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     c, m = res["ceilings"], res["machine"]
-    disk, memcpy = c["write_fsync_gbps"], c["memcpy_gbps"]
+    memcpy = c["memcpy_gbps"]
+    cfg = res["config"]
     targets: list[dict[str, Any]] = []
-    b1, b1_notes, b2, b3, loads, b6 = [], [], [], [], [], []
+    b1, b1_notes, b2, b3, loads, b6, b7 = [], [], [], [], [], [], []
     sizes_desc = []
     for size, per in res["sizes"].items():
         main = per.get("main", {})
@@ -143,40 +288,38 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
             sizes_desc.append(f"{size} GiB = {main['n_layers']} x Linear({main['width']}, {main['width']}), "
                               f"{max(main['state_bytes_per_rank']) / MiB:.0f} MiB/rank")
         if "B1" in main:
-            _b1(size, main, disk, targets, b1, b1_notes)
+            _b1(size, main, c, targets, b1, b1_notes)
         if "B2" in main:
             _b2(size, main, memcpy, targets, b2)
         if "B3" in main:
             _b3(size, main, targets, b3)
         _loads(size, per, targets, loads)
-    if "goodput" in res:
-        _b6(res["goodput"], targets, b6)
+        if per.get("whole_resume"):
+            _b7(size, per["whole_resume"], targets, b7)
+    for key, label in (("goodput", "2 ranks (no core free)"), ("goodput_free_core", "1 rank (a core free)")):
+        if key in res:
+            _b6(res[key], label, targets, b6)
+    b8: list[str] = []
+    if "scaling" in res:
+        _b8(res["scaling"], c, targets, b8)
     lb, la = m["loadavg_before"], m["loadavg_after"]
     out = [
         "## fsdpkit checkpoint benchmark",
-        f"{m['cpu_count']} CPUs, torch {m['torch']}, python {m['python']}; 2 gloo ranks x 1 thread; "
-        f"load average (1/5/15 min) {lb[0]:.2f}/{lb[1]:.2f}/{lb[2]:.2f} before, {la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f} "
-        f"after; took {res['elapsed_s'] / 60:.1f} min",
-        "sizes: " + "; ".join(sizes_desc) + f"; medians of {res['config']['runs']} runs",
+        f"{m['cpu_count']} CPUs ({m.get('cpu_model', '?')}), {m.get('mem_total_bytes', 0) / 2**30:.0f} GiB RAM, "
+        f"torch {m['torch']}, python {m['python']}; gloo ranks x 1 thread; checkpoints on "
+        f"`{m.get('checkpoint_filesystem', m['checkpoint_parent'])}`; load average (1/5/15 min) "
+        f"{lb[0]:.2f}/{lb[1]:.2f}/{lb[2]:.2f} before, {la[0]:.2f}/{la[1]:.2f}/{la[2]:.2f} after; "
+        f"started {res.get('started_utc', '?')}, took {res['elapsed_s'] / 60:.1f} min",
+        "sizes: " + "; ".join(sizes_desc) + f"; timed figures are medians of {cfg['runs']} runs (min–max (n) beside "
+        f"them), peak memory the worst of {cfg['b3_runs']} runs, ceilings medians of {c['reps']}",
         _code_line(res),
+        *(["", "**A `--quick` smoke run (tiny sizes, 1-2 runs): it checks that every phase works; do not quote "
+            "its figures.**"] if cfg.get("quick") else []),
         "",
         "### Ceilings (measured in this run)",
-        "| ceiling | value | how |",
-        "|---|---|---|",
-        f"| disk write + fsync, 1 stream | **{disk:.2f} GB/s** (runs "
-        + ", ".join(f"{x:.2f}" for x in c["write_fsync_runs_gbps"])
-        + f") | a new {c['file_bytes'] / 2**30:g} GiB file in 16 MiB os.write chunks, then fsync; median of 3 |",
-        f"| disk write + fsync, 2 streams | {c['write_fsync_2streams_gbps']:.2f} GB/s | two threads, half each |",
-        f"| cold-ish read | {c['read_cold_fadvise_gbps']:.2f} GB/s | posix_fadvise(DONTNEED), then 16 MiB reads "
-        "(a VM host may still cache) |",
-        f"| O_DIRECT read | {_f(c['read_o_direct_gbps'])} GB/s | 16 MiB aligned reads |",
-        f"| warm read | {c['read_warm_gbps']:.2f} GB/s | page cache |",
-        f"| memcpy | **{memcpy:.2f} GB/s** | torch copy_ into an existing tensor, 1 thread, "
-        f"{c['memcpy_bytes'] / MiB:.0f} MiB |",
-        f"| memcpy into a fresh allocation | {c['memcpy_fresh_alloc_gbps']:.2f} GB/s | torch.empty + copy_ "
-        "(page faults) |",
-        f"| memcpy, two at once (each) | {c['memcpy_2threads_each_gbps']:.2f} GB/s | two threads copying "
-        "concurrently, as two ranks staging at once |",
+        "| ceiling | median | runs: min–max (n) | how |",
+        "|---|---|---|---|",
+        *_ceiling_rows(c),
         "",
         "### Targets",
         "| target | size GiB | measured | goal | met |",
@@ -185,12 +328,13 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
           f"{'n/a' if t['met'] is None else 'met' if t['met'] else '**NOT met**'} |" for t in targets),
     ]
     if b1:
-        out += ["", "### B1 sync save (wall time until committed; GB/s = all ranks' state bytes / time)",
-                "| size GiB | method | median s | durable GB/s | x disk write | time / fsdpkit | runs (s) |",
-                "|---|---|---|---|---|---|---|", *b1, *b1_notes]
+        out += ["", "### B1 sync save (wall time until committed, 2 ranks; GB/s = all ranks' state bytes / time)",
+                "| size GiB | method | median s | min–max (n) | durable GB/s | × disk, 2 streams (1 stream) | "
+                "time / dcp.save | time / fsdpkit |",
+                "|---|---|---|---|---|---|---|---|", *b1, *b1_notes]
     if b2:
         fs = [(s, p["main"]["B2"]) for s, p in res["sizes"].items() if "B2" in p.get("main", {})]
-        out += ["", "### B2 async save (stall = time until the call returned, max over ranks)",
+        out += ["", "### B2 async save (stall = time until the call returned, max over ranks; medians)",
                 "| size GiB | method | first stall ms | stall ms | x memcpy time | fsdpkit sync / stall | "
                 "durable s | first durable s | step slowdown in flight |",
                 "|---|---|---|---|---|---|---|---|---|", *b2,
@@ -202,25 +346,45 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                   f"save, fsdpkit's get_state_dict capture {b['fsdpkit_capture_median_s'] * 1e3:.1f} ms, "
                   f"fsdpkit sync save {b['sync_save_s']:.2f} s" for s, b in fs)]
     if b3:
-        out += ["", "### B3 peak RSS per rank (max over ranks and runs; footprint = peak - RSS before the model "
-                "was built; S = per-rank state)",
+        out += ["", f"### B3 peak RSS per rank (worst over ranks and {cfg['b3_runs']} runs; footprint = peak - RSS "
+                "before the model was built; S = per-rank state)",
                 "| size GiB | method | peak MiB | increase over pre-save MiB | footprint MiB | footprint / S | "
                 "kept after MiB |",
                 "|---|---|---|---|---|---|---|", *b3]
     if loads:
-        out += ["", "### B4/B5 load (cold-ish: pages evicted with posix_fadvise before each load; saved on 2 ranks)",
+        out += ["", "### B4/B5 load_checkpoint alone (cold-ish: pages evicted before each load; saved on 2 ranks; "
+                f"medians of {cfg['runs']})",
                 "| size GiB | ranks | fsdpkit s | fsdpkit + verify s | dcp.load s | fsdpkit / 2 ranks | "
                 "verify / 2 ranks |",
                 "|---|---|---|---|---|---|---|", *loads]
+    if b7:
+        out += ["", f"### B7 whole resume ({cfg['resume_launches']} fresh torchrun launches per method, alternating, "
+                "pages evicted before each; 2 ranks)",
+                "From the launch of torchrun to the end of the first training step after the resume (a real "
+                "forward/backward/AdamW step). The checkpoint part: fsdpkit = resolve (newest committed) + "
+                "load_checkpoint(verify=True, verify_files=True) (every file's checksum from the load's own read, "
+                "then per-tensor checksums); plain = dcp.load + set_state_dict. 'in-process' = the "
+                "checkpoint part repeated once per method in each launch after the first step (cold pages), pooled.",
+                "| size GiB | method | launch → first step s (median) | min–max (n) | launch → model built s | "
+                "checkpoint part, first in the process s | first step s | checkpoint part in-process s | min–max (n) |",
+                "|---|---|---|---|---|---|---|---|---|", *b7]
+    if b8:
+        out += ["", f"### B8 scaling (medians of {res['scaling']['runs']} runs per row; resume = the checkpoint part "
+                "as in B7, in one launch per row; launch → first step from that launch)",
+                "| state × ranks | GiB | fsdpkit save s | save GB/s | save peak RSS MiB/rank | fsdpkit resume s | "
+                "resume GB/s | resume peak RSS MiB/rank | launch → first step s |",
+                "|---|---|---|---|---|---|---|---|---|", *b8]
     if b6:
-        g = res["goodput"]
-        out += ["", f"### B6 goodput ({g['size_gib']:g} GiB state, {res['config']['b6_steps']} fixed-cost steps of "
-                f"{g['B6']['fixed_step_s'] * 1e3:.0f} ms, a save every {res['config']['b6_every']}, "
-                f"{g['B6']['rounds']} run(s) per mode in alternating order)",
-                "| mode | loop s (runs) | mean | overhead vs no checkpoint | saves per run | mean stall per save ms | "
-                "drain s |",
-                "|---|---|---|---|---|---|---|", *b6,
-                "the loop ends when the last save call returned; drain = from then until that save is durable"]
+        g = res.get("goodput") or res.get("goodput_free_core")
+        out += ["", f"### B6 goodput ({g['size_gib']:g} GiB state, {cfg['b6_steps']} fixed-cost steps of "
+                f"{g['B6']['fixed_step_s'] * 1e3:.0f} ms, a save every {cfg['b6_every']}; medians of "
+                f"{g['B6']['rounds']} runs per mode, modes in alternating order)",
+                "| ranks | mode | loop s | min–max (n) | overhead vs no checkpoint | saves per run | median stall ms | "
+                "drain s | extra process CPU per rank (/ loop) | fsdpkit per save: wall / CPU (medians) |",
+                "|---|---|---|---|---|---|---|---|---|---|", *b6,
+                "the loop ends when the last save call returned; drain = from then until that save is durable; "
+                "extra CPU = the process CPU time (all threads) minus that of the runs without checkpoints: the "
+                "work the saves add, which competes with training when no core is free"]
     if res["errors"]:
         out += ["", "### Errors", *(f"- {e}" for e in res["errors"])]
     return "\n".join(out), targets

@@ -188,8 +188,9 @@ class Bench:
         return tdist.get_rank()
 
 
-def build_bench(size_gib: float, width: int) -> Bench:
-    """nn.Linear(width, width) layers, each fully_shard-ed, then the root; AdamW; one real step.
+def build_bench(size_gib: float, width: int, *, warm_step: bool = True) -> Bench:
+    """nn.Linear(width, width) layers, each fully_shard-ed, then the root; AdamW; one real step
+    (unless not `warm_step`: a resumed run loads into an optimizer that never stepped).
     The layer count makes params + exp_avg + exp_avg_sq (fp32) total `size_gib` over all ranks."""
     groups = [tdist.new_group(backend="gloo") for _ in range(3)]
     base_rss = rss()
@@ -214,7 +215,8 @@ def build_bench(size_gib: float, width: int) -> Bench:
     b = Bench(model=model, optimizer=optimizer, counter=counter, target=target, fingerprint=fingerprint,
               n_layers=n_layers, width=width, sync_group=groups[0], fsdpkit_async_group=groups[1],
               dcp_async_group=groups[2], base_rss=base_rss)
-    _, b.real_step_s = timed(lambda: real_step(b), b.sync_group)  # the AdamW state exists from here on
+    if warm_step:
+        _, b.real_step_s = timed(lambda: real_step(b), b.sync_group)  # the AdamW state exists from here on
     b.state_bytes = sum(t.nbytes for t in local_tensors(b, with_steps=True))
     return b
 
@@ -323,13 +325,16 @@ class AsyncMethod:
                                                     use_async_staging=False, use_non_blocking_copy=False))
                        if kind == "dcp.async_save + DefaultStager" else None)
         self._pending: Any = None
+        self.timings: list[dict[str, float]] = []  # fsdpkit's own, of every finished save
 
     def start(self, root: Path, label: int = 0) -> None:
         """Save into root/step_<label> (the label names the directory and the manifest's step)."""
         b = self.b
         ckpt_dir = root / f"step_{label}"
         if self.saver is not None:
-            _, running = self.saver.save(b.target, ckpt_dir=ckpt_dir, step=label, meta=meta(b))
+            previous, running = self.saver.save(b.target, ckpt_dir=ckpt_dir, step=label, meta=meta(b))
+            if previous is not None:
+                self._record(previous)
             self._pending = (time.perf_counter(), running)
             return
         if self._pending is not None:  # at most one in flight, as AsyncSaver does
@@ -348,10 +353,15 @@ class AsyncMethod:
         if self.saver is not None:
             t_returned, _ = pending
             result = self.saver.wait()
+            self._record(result)
             return t_returned + result.background_s
         fut, done = pending
         fut.result()
         return done[0]
+
+    def _record(self, result) -> None:
+        self.timings.append({**result.manifest.get("timings", {}), "background_s": result.background_s,
+                             "background_cpu_s": result.background_cpu_s})
 
     def close(self) -> None:
         self.finish()
@@ -515,8 +525,9 @@ def bench_load(b: Bench, path: Path, runs: int) -> dict[str, Any]:
 def b6_run(b: Bench, root: Path, mode: str, *, steps: int, every: int, step: FixedStep) -> dict[str, Any]:
     """One run of `steps` fixed-cost steps with a save every `every` (none for "no checkpoint")."""
     method = AsyncMethod(b, mode) if mode in ASYNC_KINDS else None
-    stalls, step_s = [], []
+    stalls, step_s, background = [], [], []
     tdist.barrier(group=b.sync_group)
+    cpu0 = time.process_time()  # all threads of this rank: the loop's and the background saves'
     t0 = time.perf_counter()
     for s in range(1, steps + 1):
         ts = time.perf_counter()
@@ -526,7 +537,7 @@ def b6_run(b: Bench, root: Path, mode: str, *, steps: int, every: int, step: Fix
             continue
         ts = time.perf_counter()
         if method is None:
-            save_fsdpkit(b, root, label=s)
+            background.append(save_fsdpkit(b, root, label=s).get("timings"))
         else:
             method.start(root, label=s)
         stalls.append(time.perf_counter() - ts)
@@ -534,29 +545,43 @@ def b6_run(b: Bench, root: Path, mode: str, *, steps: int, every: int, step: Fix
     t1 = time.perf_counter()
     if method is not None:
         method.close()
+        background += method.timings
     drain = max_over_ranks(time.perf_counter() - t1, b.sync_group)
+    cpu = statistics.fmean(gather(time.process_time() - cpu0, b.sync_group))  # per rank, mean over ranks
     remove(root, b.sync_group)
-    log(f"B6 {mode}: {loop:.2f} s for {steps} steps (+{drain:.2f} s until the last save is durable)")
+    log(f"B6 {mode}: {loop:.2f} s for {steps} steps (+{drain:.2f} s until the last save is durable), "
+        f"CPU {cpu:.2f} s per rank")
     # against this run's own median step: insensitive to a load drift between runs (rank 0's steps)
     own = (loop / (steps * statistics.median(step_s)) - 1) * 100
-    return {"loop_s": loop, "drain_s": drain, "stall_s": stalls, "own_median_overhead_pct": own}
+    return {"loop_s": loop, "drain_s": drain, "stall_s": stalls, "own_median_overhead_pct": own,
+            "process_cpu_s": cpu, "fsdpkit_timings": [t for t in background if t]}
 
 
 def bench_b6(b: Bench, root: Path, *, steps: int, every: int, rounds: int, step: FixedStep) -> dict[str, Any]:
-    out: dict[str, Any] = {"fixed_step_s": step.median_s(), "n_matmul": step.n_mm, "rounds": rounds}
+    out: dict[str, Any] = {"fixed_step_s": step.median_s(), "n_matmul": step.n_mm, "rounds": rounds,
+                           "world_size": tdist.get_world_size()}
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in B6_MODES}
-    for r in range(rounds):  # A B C D, D C B A, ...: a linear drift in machine load cancels in the means
+    for r in range(rounds):  # A B C D, D C B A, ...: a drift in machine load spreads over the modes
         for mode in B6_MODES if r % 2 == 0 else B6_MODES[::-1]:
             runs[mode].append(b6_run(b, root, mode, steps=steps, every=every, step=step))
-    base = statistics.fmean(x["loop_s"] for x in runs["no checkpoint"])
+    base = statistics.median(x["loop_s"] for x in runs["no checkpoint"])
+    base_cpu = statistics.median(x["process_cpu_s"] for x in runs["no checkpoint"])
     for mode, rows in runs.items():
         stalls = [s for x in rows for s in x["stall_s"]]
-        loop = statistics.fmean(x["loop_s"] for x in rows)
-        out[mode] = {"runs": rows, "loop_s": [x["loop_s"] for x in rows], "loop_mean_s": loop,
+        loop = statistics.median(x["loop_s"] for x in rows)
+        cpu = statistics.median(x["process_cpu_s"] for x in rows)
+        timings = [t for x in rows for t in x["fsdpkit_timings"]]
+        phases = sorted({k for t in timings for k in t if k.endswith("cpu_s") or k.endswith("_s")})
+        out[mode] = {"runs": rows, "loop_s": [x["loop_s"] for x in rows], "loop_median_s": loop,
+                     "loop_min_s": min(x["loop_s"] for x in rows), "loop_max_s": max(x["loop_s"] for x in rows),
                      "overhead_pct": (loop / base - 1) * 100, "saves_per_run": len(rows[0]["stall_s"]),
-                     "stall_mean_s": statistics.fmean(stalls) if stalls else 0.0,
-                     "drain_mean_s": statistics.fmean(x["drain_s"] for x in rows),
-                     "own_median_overhead_pct": statistics.fmean(x["own_median_overhead_pct"] for x in rows)}
+                     "stall_median_s": statistics.median(stalls) if stalls else 0.0,
+                     "drain_median_s": statistics.median(x["drain_s"] for x in rows),
+                     "process_cpu_median_s": cpu, "extra_cpu_s": cpu - base_cpu,
+                     # the least overhead the extra work allows when no core is free for it
+                     "extra_cpu_over_loop_pct": (cpu - base_cpu) / base * 100,
+                     "fsdpkit_phase_median_s": {k: statistics.median(t[k] for t in timings if k in t) for k in phases},
+                     "own_median_overhead_pct": statistics.median(x["own_median_overhead_pct"] for x in rows)}
     return out
 
 
@@ -567,7 +592,7 @@ def run_phase(args) -> None:
     only = set(args.only)
     workdir = Path(args.workdir)
     size = args.phase_size_gib
-    b = build_bench(size, args.width)
+    b = build_bench(size, args.width, warm_step=args.phase != "resume")
     ws = tdist.get_world_size()
     log(f"phase {args.phase} on {ws} ranks: {b.n_layers} x Linear({b.width}, {b.width}), "
         f"{b.state_bytes / MiB:.0f} MiB of state per rank, a real step took {b.real_step_s:.2f} s")
@@ -589,19 +614,28 @@ def run_phase(args) -> None:
                 remove(root, b.sync_group)
             res["B2"] = bench_b2(b, root, args.runs, sync_s=sync_s, step=FixedStep(b, args.step_ms))
             res["B2"]["sync_save_s"] = sync_s
-        if only & {"B4", "B5"}:
+        if only & {"B4", "B5", "B7"}:
             save_fsdpkit(b, src)
         if "B4" in only:
             res["B4"] = bench_load(b, src / f"step_{b.counter.step}", args.runs)
     elif args.phase == "load":
         steps = [p for p in src.iterdir() if p.name.startswith("step_")]
         res["B5"] = bench_load(b, steps[0], args.runs)
+    elif args.phase == "resume":
+        from checkpoint_resume import bench_resume, launch_t0  # noqa: I001 - it imports this module
+
+        res["resume"] = bench_resume(b, Path(args.resume_root), first=args.resume_first, runs=args.runs,
+                                     launch_t0=launch_t0())
+    elif args.phase == "scale":
+        from checkpoint_resume import bench_scale  # noqa: I001 - it imports this module
+
+        res["scale"] = bench_scale(b, root, Path(args.resume_root), args.scale_runs)
     elif args.phase == "goodput":
         res["B6"] = bench_b6(b, root, steps=args.b6_steps, every=args.b6_every, rounds=args.b6_rounds,
                              step=FixedStep(b, args.step_ms))
     res["loadavg_end"] = os.getloadavg()
     if b.rank == 0:
-        (workdir / f"result_{args.phase}_{ws}_{size:g}.json").write_text(json.dumps(res, indent=1))
+        (workdir / f"result_{args.phase}_{ws}_{size:g}{args.tag}.json").write_text(json.dumps(res, indent=1))
     b = None  # drop model and optimizer references before teardown (see FIELD-NOTES: abort at exit)
     dist.shutdown()  # collect, barrier, destroy
     sys.stdout.flush()

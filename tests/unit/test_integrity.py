@@ -14,11 +14,12 @@ import pytest
 import torch
 from torch import nn
 
+from fsdpkit.checkpoint import resume
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, ON_EXCEPTION, swap_in
 from fsdpkit.checkpoint.manifest import SEAL, manifest_digest, read_manifest
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim
-from fsdpkit.checkpoint.resume import committed_candidates, resolve_checkpoint
+from fsdpkit.checkpoint.resume import committed_candidates, load_checkpoint, resolve_checkpoint
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import FAIL_MANIFEST_ENV, save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
@@ -196,3 +197,32 @@ def test_copy_is_independent(root, tmp_path):
     """The fixture's two checkpoints resolve as usual (a guard for the tests above)."""
     shutil.copytree(root, tmp_path / "copy")
     assert resolve_checkpoint("auto", ckpt_root=tmp_path / "copy", group=None) == tmp_path / "copy" / "step_2"
+
+
+def test_files_are_verified_from_the_load_read_and_corruption_is_caught(tmp_path, monkeypatch):
+    saved = _target(0)
+    saved.stateful["train"].step = 1
+    ckpt = tmp_path / "step_1"
+    _save(saved, ckpt, 1)
+    reread: list[str] = []
+    full = resume.verify_files
+
+    def spy(path: Path, manifest, **kw):
+        reread.extend(manifest["files"])
+        return full(path, manifest, **kw)
+
+    monkeypatch.setattr(resume, "verify_files", spy)
+    loaded = _target(1)
+    load_checkpoint(loaded, ckpt, fingerprint={"tensors": {}}, group=None, verify_files=True)
+    for a, b in zip(saved.model.parameters(), loaded.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    data = [p.name for p in ckpt.glob("*.distcp")]
+    assert data and not set(data) & set(reread), f"data files re-read for verification: {reread}"
+    assert reread == [".metadata"]  # read by DCP's metadata path only: hashed apart (small)
+
+    blob = ckpt / data[0]
+    raw = bytearray(blob.read_bytes())
+    raw[len(raw) // 2] ^= 0x01  # one bit flipped: the checksum catches it (whether or not torch.load fails)
+    blob.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointCorruptError, match=r"fails its checksum .*the file is corrupt"):
+        load_checkpoint(_target(2), ckpt, fingerprint={"tensors": {}}, group=None, verify_files=True)

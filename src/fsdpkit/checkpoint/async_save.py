@@ -48,6 +48,7 @@ class SaveResult:
     stall_s: float = 0.0  # the training loop was blocked this long
     wait_s: float = 0.0  # of which: waiting for the previous save to finish
     background_s: float = 0.0  # writing, checksums and commit after the loop went on
+    background_cpu_s: float = 0.0  # CPU time of the background thread itself (the checksum worker's is in timings)
     manifest: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -99,7 +100,7 @@ class AsyncSaver:
         result.stall_s = time.perf_counter() - t0
 
         def write() -> dict[str, Any]:
-            t_bg = time.perf_counter()
+            t_bg, cpu_bg = time.perf_counter(), time.thread_time()
             watchdog.doing(f"background save of step {step}: writing and commit", slot=watchdog.BACKGROUND)
             try:
                 time.sleep(float(os.environ.get(SLOW_WRITE_ENV, 0)))
@@ -108,6 +109,7 @@ class AsyncSaver:
             finally:
                 watchdog.doing(None, slot=watchdog.BACKGROUND)
             result.background_s = time.perf_counter() - t_bg
+            result.background_cpu_s = time.thread_time() - cpu_bg
             return manifest
 
         self._pending = (result, self._executor.submit(write))

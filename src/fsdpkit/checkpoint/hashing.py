@@ -212,12 +212,24 @@ def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algor
     return hash_part(local, first_row=offset[0] if local.dim() else 0, algorithm=algorithm)
 
 
+def local_contributions(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None,
+                        algorithm: str = ROWS) -> dict[str, int]:
+    """This rank's share of every tensor's checksum (no collective: it may run on a worker thread
+    while the files are written; `reduce_contributions` then sums the shares over ranks)."""
+    return {k: _local_contribution(tensors[k], group, algorithm) for k in sorted(tensors)}
+
+
+def reduce_contributions(local: dict[str, int], *, group: tdist.ProcessGroup | None) -> dict[str, str]:
+    """Hex checksums from every rank's `local_contributions` (collective over `group`)."""
+    keys = sorted(local)
+    vec = torch.tensor([local[k] for k in keys], dtype=torch.int64)
+    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
+        tdist.all_reduce(vec, group=group)  # integer sum: wraps mod 2**64, exact in any order
+    return {k: f"{int(v) & 0xFFFFFFFFFFFFFFFF:016x}" for k, v in zip(keys, vec.tolist(), strict=True)}
+
+
 def tensor_hashes(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None,
                   algorithm: str = ROWS) -> dict[str, str]:
     """World-size-independent hex checksums of tensors that every rank holds (as DTensor shards
     or as replicated plain tensors). Collective over `group`: every rank calls it, same keys."""
-    keys = sorted(tensors)
-    vec = torch.tensor([_local_contribution(tensors[k], group, algorithm) for k in keys], dtype=torch.int64)
-    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
-        tdist.all_reduce(vec, group=group)  # integer sum: wraps mod 2**64, exact in any order
-    return {k: f"{int(v) & 0xFFFFFFFFFFFFFFFF:016x}" for k, v in zip(keys, vec.tolist(), strict=True)}
+    return reduce_contributions(local_contributions(tensors, group=group, algorithm=algorithm), group=group)

@@ -29,17 +29,17 @@ import torch.distributed as tdist
 from torch import nn
 
 from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
-from fsdpkit.checkpoint.errors import CheckpointError, CheckpointSaveError
+from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, CkptPath, step_dir_name
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary, read_manifest
 from fsdpkit.checkpoint.object_lock import ObjectLock
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim, lock_for, new_run_id
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
-from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
+from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint, set_aside
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful
-from fsdpkit.checkpoint.storage import as_path, configure
+from fsdpkit.checkpoint.storage import as_path, configure, is_url
 from fsdpkit.config import validate_checkpoint
 from fsdpkit.config.schema import CheckpointConfig
 from fsdpkit.dist import on_main
@@ -84,15 +84,19 @@ class Found:
 
     path: CkptPath | None
     lock: DirectoryLock | ObjectLock | None
+    verify_while_loading: bool = False  # its file checksums are still to check, from the load's own read
 
 
 def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Found:
-    """Collective: lock `cfg.dir` (rank 0) and resolve `cfg.resume` (verifying checksums; corrupt
-    candidates are moved aside). A loop that wants to know before building its model whether it
-    will resume (to skip random init) calls this, then `Checkpointer.resume(found)`."""
+    """Collective: lock `cfg.dir` (rank 0) and resolve `cfg.resume` (the newest committed, complete
+    checkpoint; with `verify_checksums` its file checksums are checked while `Checkpointer.resume`
+    loads it, from the same read, see verified_read.py; on object storage, which has no verifying
+    reader, resolution streams them first). A loop that wants to know before building its model
+    whether it will resume (to skip random init) calls this, then `Checkpointer.resume(found)`."""
     held: list[DirectoryLock | ObjectLock] = []
     configure(cfg.storage_options)
     root = as_path(cfg.dir)
+    remote = is_url(cfg.dir) or is_url(cfg.resume)
 
     def acquire() -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -102,12 +106,12 @@ def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) 
     lock = held[0] if held else None
     try:
         path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group,
-                                  verify_checksums=cfg.verify_checksums)
+                                  verify_checksums=cfg.verify_checksums and remote)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
-    return Found(path=path, lock=lock)
+    return Found(path=path, lock=lock, verify_while_loading=cfg.verify_checksums and path is not None and not remote)
 
 
 class Checkpointer:
@@ -215,7 +219,8 @@ class Checkpointer:
             full = manifest is not None and self.cfg.resume_mode == "full"
             moved = self._claim(resumed=manifest if full else None, start=self._how_started(manifest))
             if path is not None:
-                self._load(as_path(moved.get(str(path), str(path))))
+                self._load_verified(as_path(moved.get(str(path), str(path))),
+                                    while_loading=found.verify_while_loading)
         except BaseException:
             self.close(wait=False)
             raise
@@ -250,10 +255,28 @@ class Checkpointer:
             self._fingerprint = model_fingerprint(self.target.model, sharding=self.sharding)
         return self._fingerprint
 
-    def _load(self, path: CkptPath) -> dict[str, Any]:
+    def _load_verified(self, path: CkptPath, *, while_loading: bool) -> dict[str, Any]:
+        """Load `path`, its file checksums verified from the load's own read if `while_loading`.
+        If that finds an auto-resumed checkpoint corrupt, fall back as resolution with full
+        verification does: set it aside and load the newest older checkpoint that passes."""
+        try:
+            return self._load(path, verify_files=while_loading)
+        except CheckpointCorruptError as e:
+            if not while_loading or self.cfg.resume != "auto":
+                raise
+            why = str(e)
+        on_main(lambda: set_aside(path, why), group=self.group, errors=(CheckpointError, OSError))
+        older = resolve_checkpoint("auto", ckpt_root=self.root, group=self.group, verify_checksums=True)
+        if older is None:
+            raise CheckpointCorruptError(
+                f"{why}\n{path.name} was moved aside and no older checkpoint passes verification; this process "
+                "already loaded part of it, so it stops here: run again to start fresh")
+        return self._load(older, verify_files=False)
+
+    def _load(self, path: CkptPath, *, verify_files: bool = False) -> dict[str, Any]:
         model_only = self.cfg.resume_mode == "model_only"
         report = load_checkpoint(self.target, path, fingerprint=self.fingerprint(), group=self.group,
-                                 model_only=model_only, verify=self.cfg.verify_on_load,
+                                 model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files,
                                  skip=frozenset(filter(None, os.environ.get(SKIP_RESTORE_ENV, "").split(","))))
         manifest = report["manifest"]
         what = "model weights only (optimizer, schedule, counters and data start fresh)" if model_only else "full state"

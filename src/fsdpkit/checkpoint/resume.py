@@ -10,6 +10,7 @@ from typing import Any
 
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdpkit.checkpoint.dcp_storage import safe_reader
 from fsdpkit.checkpoint.errors import (
@@ -21,10 +22,11 @@ from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
 from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
-from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
+from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
-from fsdpkit.checkpoint.storage import as_path
+from fsdpkit.checkpoint.storage import as_path, is_url
+from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader, file_problems
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -154,17 +156,22 @@ def load_checkpoint(
     group: tdist.ProcessGroup | None,
     model_only: bool = False,
     verify: bool = True,
+    verify_files: bool = False,
     skip: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """Load `ckpt_dir` into `target` (resharding to the current world size as needed).
 
     Checks the model fingerprint before touching any state. `skip` names Stateful pieces left
     unrestored (only tests use it, to prove that resume-check notices a lost piece of state). With `verify`, recomputes per-tensor
-    checksums of what was restored and compares them with the manifest.
+    checksums of what was restored and compares them with the manifest. With `verify_files`,
+    checks every file's checksum from the bytes read for loading (see verified_read.py): for a
+    checkpoint that `resolve_checkpoint(verify_checksums=False)` found, in one read instead of two.
 
     Returns: a report with the manifest, notes about tolerated changes and timings.
     Raises:
         CheckpointMismatchError: incompatible model, or restored state differs from what was saved.
+        CheckpointCorruptError: with `verify_files`, a file fails its checksum (the target then
+            holds partly loaded state: do not train on).
     """
     t0 = time.perf_counter()
     manifest = read_manifest(ckpt_dir)
@@ -174,7 +181,8 @@ def load_checkpoint(
     if manifest.get("state_dict_type", "sharded") == "full":
         rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
     else:
-        rng, tensors = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only)
+        rng, tensors = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only,
+                                     files=manifest["files"] if verify_files else None)
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
     if not model_only:
@@ -207,18 +215,42 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensor
 
 
 def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None,
-                  model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+                  model_only: bool, files: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """DCP load (resharding as needed) into the live model/optimizer; returns this rank's RNG
-    state and the Stateful pieces' tensors (by `state.<name>.<path>`)."""
+    state and the Stateful pieces' tensors (by `state.<name>.<path>`). With `files` (the
+    manifest's), every file's checksum is verified from the bytes read (CheckpointCorruptError)."""
     state = target.tensor_state(rank=rank, with_optimizer=not model_only)
-    reader = safe_reader(ckpt_dir)
+    if files is not None and is_url(ckpt_dir):
+        # object storage has no verifying reader: stream every file's checksum first (two reads)
+        _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
+        files = None
+    reader = (safe_reader(ckpt_dir) if files is None
+              else VerifyingFileSystemReader(ckpt_dir, sizes={n: i["size"] for n, i in files.items()}))
+    if files is not None and METADATA_FILENAME in files:  # small; checked before anything reads it
+        _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": {METADATA_FILENAME: files[METADATA_FILENAME]}},
+                                                 group=group))
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
     if "rng" in state and f"rng.rank{rank}.torch_cpu" not in reader.read_metadata().state_dict_metadata:
         del state["rng"]
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+    try:
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+    except (Exception, CheckpointException):  # the latter is a BaseException; a corrupt file may break the load
+        if files is not None:
+            _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
+        raise
+    if isinstance(reader, VerifyingFileSystemReader):
+        rest = {n: i for n, i in files.items() if n != METADATA_FILENAME}  # checked before it was unpickled
+        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": rest}, reader.digests, group=group,
+                                                  verify_rest=lambda d, m: verify_files(d, m, group=group)))
     target.restore_tensors(state)
     tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
     return (state["rng"][f"rank{rank}"] if "rng" in state else None), tensors
+
+
+def _raise_if_corrupt(ckpt_dir: Path, problems: list[str]) -> None:
+    if problems:
+        raise CheckpointCorruptError(f"{ckpt_dir} failed verification while loading (the loaded state is not "
+                                     "usable):\n  " + "\n  ".join(problems))
 
 
 def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None,

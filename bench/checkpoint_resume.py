@@ -1,0 +1,168 @@
+"""The whole-resume and scaling phases of bench/checkpoint.py (run under torchrun by it).
+
+Whole resume (phase "resume"): a fresh torchrun launch that resumes from a checkpoint as a user's
+run does, timed from the orchestrator's launch of torchrun (FSDPKIT_BENCH_T0, wall clock, the
+same host) until the first training step after the resume returned on every rank:
+
+- fsdpkit: `resolve_checkpoint("auto")` (the newest committed checkpoint) +
+  `load_checkpoint(verify=True, verify_files=True)` (fingerprint check, DCP load with every file's
+  checksum taken from the same read, post-load per-tensor checksums), i.e. what `find_checkpoint`
+  + `Checkpointer.resume` do with the default settings (`checkpoint.verify_checksums`,
+  `checkpoint.verify_on_load`), minus the directory lock;
+- plain DCP: `dcp.load` of the same directory (its path known) + `set_state_dict`;
+- in-process only, fsdpkit as it resumed before issue 15: every file's checksum verified first
+  (`resolve_checkpoint(verify_checksums=True)`, a full read), then `load_checkpoint(verify=True)`.
+
+The first step is one real forward/backward/AdamW step. The checkpoint part (resolution to loaded
+and verified) is timed apart; after the first step the same process repeats the checkpoint part of
+both methods `--runs` times each (pages evicted before each, methods alternating) for medians and
+peak RSS.
+
+Scaling (phase "scale"): per (size, ranks), fsdpkit `save_checkpoint` and plain `dcp.save`
+alternating, `--scale-runs` times each, wall time and peak RSS; the last fsdpkit save stays for
+the resume launch that follows.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as tdist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.state_dict import set_state_dict
+
+from checkpoint_worker import (  # noqa: I001 - a sibling module of this script
+    Bench,
+    PeakRSS,
+    dcp_state,
+    drop_page_cache,
+    gather,
+    log,
+    max_over_ranks,
+    med,
+    real_step,
+    remove,
+    save_dcp,
+    save_fsdpkit,
+    timed,
+    trim,
+)
+from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
+
+T0_ENV = "FSDPKIT_BENCH_T0"
+FSDPKIT, PLAIN = "fsdpkit resume (files verified while loading)", "dcp.load + set_state_dict"
+TWO_READS = "fsdpkit, files verified before loading (two reads)"
+RESUME_METHODS = (FSDPKIT, TWO_READS, PLAIN)
+
+
+def _resume(b: Bench, root: Path, *, before: bool) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    path = resolve_checkpoint("auto", ckpt_root=root, group=b.sync_group, verify_checksums=before)
+    if path is None:
+        raise RuntimeError(f"no committed checkpoint under {root}")
+    t1 = time.perf_counter()
+    report = load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group, verify=True,
+                             verify_files=not before)
+    return {"resolve_s": t1 - t0, "load_s": report["load_s"], "verify_s": report["verify_s"]}
+
+
+def resume_fsdpkit(b: Bench, root: Path) -> dict[str, Any]:
+    """What `find_checkpoint` + `Checkpointer.resume` do with the default settings: resolution,
+    then `load_checkpoint(verify=True, verify_files=True)` (file checksums from the load's read)."""
+    return _resume(b, root, before=False)
+
+
+def resume_two_reads(b: Bench, root: Path) -> dict[str, Any]:
+    """The resume before issue 15: every file's checksum verified first (a full read), then the load."""
+    return _resume(b, root, before=True)
+
+
+def resume_plain(b: Bench, root: Path) -> dict[str, Any]:
+    """Plain DCP: the user knows the directory (the newest step_<N>)."""
+    path = max((p for p in root.iterdir() if p.name.startswith("step_") and p.is_dir()),
+               key=lambda p: int(p.name.split("_")[1]))
+    state = dcp_state(b)
+    dcp.load(state, storage_reader=FileSystemReader(path), process_group=b.sync_group)
+    set_state_dict(b.model, b.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    b.counter.step = int(path.name.split("_")[1])  # plain DCP keeps no trainer state: the user tracks it
+    return {}
+
+
+RESUMES = {FSDPKIT: resume_fsdpkit, TWO_READS: resume_two_reads, PLAIN: resume_plain}
+
+
+def _cold(b: Bench, root: Path) -> None:
+    tdist.barrier(group=b.sync_group)
+    if b.rank == 0:
+        drop_page_cache(root)
+    tdist.barrier(group=b.sync_group)
+
+
+def bench_resume(b: Bench, root: Path, *, first: str, runs: int, launch_t0: float) -> dict[str, Any]:
+    """The first resume of this process (`first`), its first step, then `runs` more of each method."""
+    t_start = time.time()
+    out: dict[str, Any] = {"first_method": first}
+    tdist.barrier(group=b.sync_group)
+    t0 = time.perf_counter()
+    parts = RESUMES[first](b, root)
+    t1 = time.perf_counter()
+    real_step(b)
+    t2 = time.perf_counter()
+    ready = max_over_ranks(t_start - launch_t0, b.sync_group)  # process start -> model built
+    ckpt = max_over_ranks(t1 - t0, b.sync_group)
+    step = max_over_ranks(t2 - t1, b.sync_group)
+    out.update({"start_to_built_s": ready, "checkpoint_s": ckpt, "first_step_s": step,
+                "start_to_first_step_s": max_over_ranks(time.time() - launch_t0, b.sync_group),
+                "first_parts": parts})
+    log(f"whole resume ({first}): {out['start_to_first_step_s']:.2f} s from launch to the first step "
+        f"(built after {ready:.2f} s, checkpoint part {ckpt:.2f} s, first step {step:.2f} s)")
+    times: dict[str, list[float]] = {m: [] for m in RESUME_METHODS}
+    peaks: dict[str, list[float]] = {m: [] for m in RESUME_METHODS}
+    fsdpkit_parts = []
+    n = len(RESUME_METHODS)
+    for r in range(runs):
+        for m in RESUME_METHODS[r % n:] + RESUME_METHODS[: r % n]:
+            _cold(b, root)
+            trim()
+            with PeakRSS() as peak:
+                parts, dt = timed(lambda m=m: RESUMES[m](b, root), b.sync_group)
+            times[m].append(dt)
+            peaks[m].append(max_over_ranks(float(peak.peak), b.sync_group))
+            if m == FSDPKIT:
+                fsdpkit_parts.append({k: max_over_ranks(v, b.sync_group) for k, v in parts.items()})
+        log(f"resume run {r + 1}/{runs}: " + ", ".join(f"{m} {times[m][-1]:.2f} s" for m in RESUME_METHODS))
+    out.update({"seconds": times, "median_s": {m: med(times[m]) for m in RESUME_METHODS},
+                "peak_rss_bytes": {m: max(v) for m, v in peaks.items()},
+                "fsdpkit_parts_median_s": {k: med([p[k] for p in fsdpkit_parts]) for k in fsdpkit_parts[0]}
+                if fsdpkit_parts else {}})
+    return out
+
+
+def bench_scale(b: Bench, root: Path, keep: Path, runs: int) -> dict[str, Any]:
+    """fsdpkit save_checkpoint and dcp.save alternating; the last fsdpkit save is kept at `keep`."""
+    methods = {"fsdpkit save_checkpoint": lambda path: save_fsdpkit(b, path), "dcp.save": lambda path: save_dcp(b, path)}
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    peaks: dict[str, list[float]] = {m: [] for m in methods}
+    names = list(methods)
+    for r in range(runs):
+        for m in names[r % 2:] + names[: r % 2]:
+            path = root / f"scale_{r}"
+            trim()
+            with PeakRSS() as peak:
+                _, dt = timed(lambda m=m, path=path: methods[m](path), b.sync_group)
+            times[m].append(dt)
+            peaks[m].append(max_over_ranks(float(peak.peak), b.sync_group))
+            remove(path, b.sync_group)
+        log(f"scale run {r + 1}/{runs}: " + ", ".join(f"{m} {times[m][-1]:.2f} s" for m in names))
+    save_fsdpkit(b, keep)
+    return {"seconds": times, "median_s": {m: med(v) for m, v in times.items()},
+            "peak_rss_bytes": {m: max(v) for m, v in peaks.items()},
+            "base_rss_bytes": max(gather(b.base_rss, b.sync_group))}
+
+
+def launch_t0() -> float:
+    return float(os.environ.get(T0_ENV, time.time()))

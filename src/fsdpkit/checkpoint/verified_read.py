@@ -1,0 +1,147 @@
+"""Load a DCP checkpoint and verify its files' checksums from the same read.
+
+Why: checking every file's xxh3 before loading (`resolve_checkpoint(verify_checksums=True)`)
+reads the whole checkpoint once, then DCP reads it again to load it; on a cold cache that doubles
+the I/O of a resume. Here each rank hashes every file it reads whole, in offset order, on a
+read-ahead thread, while the caller turns the same bytes into tensors; at the same world size that covers every data file. Files no
+rank read whole (a resharded load reads parts of several files) are hashed afterwards, split over
+ranks. `fsdpkit ckpt verify` keeps the separate, complete verification.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as tdist
+import xxhash
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.futures import Future
+
+from fsdpkit.checkpoint.hashing import HASH_NAME
+from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
+
+READ_AHEAD_BYTES = int(os.environ.get("FSDPKIT_LOAD_READ_AHEAD_BYTES", str(64 << 20)))
+"""Bytes a verifying load reads ahead of deserialisation (at least one item, whatever its size)."""
+
+
+class VerifyingFileSystemReader(SafeFileSystemReader):
+    """`SafeFileSystemReader` that hashes (xxh3-64) each file this rank reads whole, as it reads it.
+
+    After `dcp.load`, `digests` holds {file name: (size, hex digest)} for those files; other files
+    were read as DCP reads them (slices) and are not in it.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, sizes: dict[str, int]) -> None:
+        super().__init__(path)
+        self.sizes = sizes  # file name -> size recorded in the manifest
+        self.digests: dict[str, tuple[int, str]] = {}
+
+    def _whole_in_order(self, name: str, reqs: list[ReadItem]) -> list[ReadItem] | None:
+        """`reqs` sorted by offset if they tile the file [0, size) exactly, else None."""
+        infos = sorted(((self.storage_data[r.storage_index], r) for r in reqs), key=lambda x: x[0].offset)
+        end = 0
+        for info, _ in infos:
+            if info.offset != end:
+                return None
+            end += info.length
+        return [r for _, r in infos] if end == self.sizes.get(name, -1) else None
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        partial: list[ReadItem] = []
+        for name, reqs in per_file.items():
+            ordered = self._whole_in_order(name, reqs)
+            if ordered is None:
+                partial += reqs
+                continue
+            with closing(self._read_ahead(name, ordered)) as items:  # stops the read-ahead at once on an error
+                for req, info, data in items:
+                    self._consume(req, info, io.BytesIO(data), planner)
+        if partial:  # DCP's own slice reads for the rest
+            super().read_data(LoadPlan(partial, plan.storage_data, plan.planner_data), planner).wait()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_ahead(self, name: str, ordered: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, bytes]]:
+        """(item, storage info, its bytes) in file order; a worker thread reads and hashes up to
+        READ_AHEAD_BYTES ahead (reads and xxh3 release the GIL), so the disk streams while the
+        caller deserialises. Records the file's (size, digest) once it was read to the end."""
+        digest, size = xxhash.xxh3_64(), [0]
+        with (self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream,
+              ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-load-read") as pool):
+
+            def read(length: int) -> bytes:  # one worker: runs in submission order
+                data = stream.read(length)
+                digest.update(data)
+                size[0] += len(data)
+                return data
+
+            ahead: deque[tuple[ReadItem, _StorageInfo, Any]] = deque()
+            queued = in_flight = 0
+            for _ in ordered:
+                while queued < len(ordered) and (not ahead or in_flight < READ_AHEAD_BYTES):
+                    info: _StorageInfo = self.storage_data[ordered[queued].storage_index]
+                    ahead.append((ordered[queued], info, pool.submit(read, info.length)))
+                    in_flight += info.length
+                    queued += 1
+                req, info, pending = ahead.popleft()
+                data = pending.result()
+                in_flight -= info.length
+                yield req, info, data
+            longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
+        self.digests[name] = (size[0] + len(longer), digest.hexdigest())
+
+    def _consume(self, req: ReadItem, info: _StorageInfo, raw: io.BytesIO, planner: LoadPlanner) -> None:
+        """What FileSystemReader.read_data does with one item's bytes (torch 2.13)."""
+        stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), raw)
+        if req.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+            return
+        seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
+        tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
+        tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise ValueError(f"{req.storage_index}: the checkpoint holds {tuple(tensor.size())}, "
+                             f"the target expects {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+
+
+def file_problems(ckpt_dir: Path, manifest: dict[str, Any], digests: dict[str, tuple[int, str]], *,
+                  group: tdist.ProcessGroup | None,
+                  verify_rest: Callable[[Path, dict[str, Any]], list[str]]) -> list[str]:
+    """Every file's checksum problems (collective): the digests every rank took while loading,
+    and `verify_rest(ckpt_dir, {"files": rest})` (a full read, split over ranks) for the files
+    no rank read whole. Every rank gets the same list."""
+    everyone: list[dict[str, tuple[int, str]]] = [digests]
+    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
+        everyone = [{} for _ in range(tdist.get_world_size(group))]
+        tdist.all_gather_object(everyone, digests, group=group)
+    seen = {name: got for d in everyone for name, got in d.items()}
+    problems = []
+    for name, (size, digest) in sorted(seen.items()):
+        info = manifest["files"].get(name)
+        if info is None:
+            continue
+        path = ckpt_dir / name
+        if size != info["size"]:
+            problems.append(f"{path} has {size} bytes, expected {info['size']} (truncated or overwritten)")
+        elif digest != info[HASH_NAME]:
+            problems.append(f"{path} fails its checksum ({HASH_NAME} {digest}, expected {info[HASH_NAME]}): "
+                            "the file is corrupt")
+    rest = {n: i for n, i in manifest["files"].items() if n not in seen}
+    return problems + (verify_rest(ckpt_dir, {"files": rest}) if rest else [])
