@@ -24,7 +24,7 @@ test: $(STAMP)
 multinode: $(STAMP)
 	$(BIN)/python -m pytest tests/multinode -m multinode -v -s
 
-# About 25-35 min on a quiet 2-core VM (checkpoint.py ~15-20 of it); writes bench/RESULTS.md (commit it).
+# About 30-40 min on a 2-core VM (checkpoint.py ~20-25 of it; a reduced run took 16 min); writes bench/RESULTS.md (commit it).
 # A failing benchmark does not stop the others; the summary says which did not run.
 bench: $(STAMP)
 	@date +%s > bench/.bench_started
