@@ -3,16 +3,14 @@ when a piece of state is lost on resume."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, fsdpkit  # noqa: E402
+from conftest import fsdpkit  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -45,27 +43,28 @@ def test_passes_at_the_same_world_size_bitwise_and_at_another_within_tolerance(t
     assert not (tmp_path / "resumed").exists()
 
 
-def test_fails_when_the_checkpoints_are_gone_before_the_resume(tmp_path, capsys):
-    """A deterministic fresh start reproduces every loss: only the records can tell it did not resume."""
+def test_fails_when_the_checkpoints_are_gone_or_state_is_left_out(tmp_path, capsys, monkeypatch):
+    """One interrupted run, resumed twice, each failing for its own reason:
+    - on 2 ranks after its checkpoints were deleted: a deterministic fresh start reproduces every
+      loss, and only the records can tell it did not resume;
+    - on 1 rank with the scheduler's state dropped on restore (a test hook): it did resume, and the
+      LR, so the losses, differ."""
     from fsdpkit.cli.resume_check import resume_check
 
-    def delete_checkpoints(run: Path) -> None:
-        shutil.rmtree(run / "checkpoints")
+    def damage(run: Path) -> None:
+        if run.name == "resumed-2":
+            shutil.rmtree(run / "checkpoints")
+        else:  # resumed-1, after resumed-2 ran: its subprocesses inherit the hook
+            monkeypatch.setenv("FSDPKIT_TEST_SKIP_RESTORE", "scheduler")
 
-    code = resume_check(overrides=ARGS[4:], nproc=2, resume_nproc=2, steps=8, save_at=4, work_dir=tmp_path,
-                        before_resume=delete_checkpoints)
+    code = resume_check(overrides=ARGS[4:], nproc=2, resume_nproc=[2, 1], steps=8, save_at=4, work_dir=tmp_path,
+                        before_resume=damage)
     out = capsys.readouterr().out
     assert code == 1, out
-    assert "worst relative difference 0.000e+00" in out  # the losses alone would have passed
-    assert "FAIL: no proof of a resume from step 4" in out and "recorded no `resume` event: it started fresh" in out
-    assert "resume-check: PASS" not in out
-
-
-def test_fails_when_state_is_left_out(tmp_path):
-    """The scheduler's state is dropped on restore (a test hook): the LR, and so the losses, differ."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDPKIT_TEST_SKIP_RESTORE": "scheduler"}
-    proc = subprocess.run([sys.executable, "-m", "fsdpkit", "resume-check", *ARGS, "--work-dir", str(tmp_path)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
-    assert "<-- beyond tolerance" in proc.stdout and "FAIL" in proc.stdout
-    assert_resumed(tmp_path, step=4, saved_world_size=2)  # it did resume: the lost state is what fails it
+    assert "0 of 2 resumed runs passed" in out and "resume-check: PASS" not in out
+    gone, dropped = out.split("resume-check: resumed on 1 rank(s)")
+    assert "worst relative difference 0.000e+00" in gone  # the losses alone would have passed
+    assert "FAIL: no proof of a resume from step 4" in gone and "recorded no `resume` event: it started fresh" in gone
+    assert "<-- beyond tolerance" in dropped and "FAIL: worst relative difference" in dropped
+    assert "no proof of a resume" not in dropped
+    assert_resumed(tmp_path, step=4, saved_world_size=2, run="resumed-1")  # it did resume: the lost state fails it
