@@ -45,3 +45,36 @@ def test_an_unwritable_bucket_stops_the_run_before_it_starts(s3, tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "checkpoint.dir=s3://no-such-bucket-fsdpkit/x cannot be written" in proc.stderr
     assert "Check the bucket name, the credentials" in proc.stderr
+
+
+def test_a_store_that_stops_answering_fails_the_save_and_latest_stays_committed(s3, tmp_path):
+    """The run's endpoint (a second server, sharing the first one's buckets) goes away after a
+    commit: the client's bounded retries give up, the next save fails on every rank with a clear
+    error, and what `latest` names is still a committed checkpoint (read through the first server)."""
+    import os
+    import subprocess
+    import time
+
+    import s3fs
+
+    from conftest import ROOT
+    from s3_server import s3_server
+
+    bucket = s3.new_bucket()
+    fs = s3fs.S3FileSystem(use_listings_cache=False, client_kwargs={"endpoint_url": s3.endpoint})
+    with s3_server() as doomed:
+        proc = subprocess.Popen([sys.executable, "-m", "fsdpkit", "train", "--nproc", "2", "experiment=demo",
+                                 "train.max_steps=200", "checkpoint.every_steps=2", "train.eval_every=0",
+                                 f"run_dir={tmp_path}", f"checkpoint.dir=s3://{bucket}/run"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                env={**os.environ, **doomed.env, "OMP_NUM_THREADS": "1"})
+        deadline = time.monotonic() + 300
+        while not fs.exists(f"{bucket}/run/latest"):
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was committed"
+            time.sleep(0.1)
+    # the run's endpoint is gone from here on
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode not in (0, None), err[-3000:]
+    assert "CheckpointSaveError" in err and f"s3://{bucket}/run/step_" in err, err[-3000:]
+    named = fs.cat_file(f"{bucket}/run/latest").decode().strip()
+    assert fs.exists(f"{bucket}/run/{named}/manifest.json")

@@ -7,8 +7,10 @@ Phases, run in this order by test_s3.py (run directories are local, checkpoints 
          run (s3://BUCKET/src, stopped and dumped at step 4)
   kill:  resumes s3://BUCKET/src from step 4 and saves step 8 with rank 1 SIGKILLed mid-upload
          (FSDPKIT_TEST_KILL_DURING_SAVE=8:1 set by the test): this launch fails
-  ws3:   auto-resume of s3://BUCKET/src on 3 ranks (must pick step 4); the 2->3 elastic load of
-         s3://BUCKET/src/checkpoints/step_4 into a new run that saves on 3 ranks to s3://BUCKET/elastic
+  ws3:   model.init_from=hf: the source's step 4 exported as a Hugging Face folder, from local disk and
+         from s3://BUCKET/hf (3 ranks, dumped before any step); auto-resume of s3://BUCKET/src on 3
+         ranks (must pick step 4); the 2->3 elastic load of s3://BUCKET/src/checkpoints/step_4 into a
+         new run that saves on 3 ranks to s3://BUCKET/elastic
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ def main() -> None:
     elif phase == "kill":
         res = {"kill": session(work / "kill", SRC)}  # resumes step 4; rank 1 dies during step 8's upload
     elif phase == "ws3":
+        for tag, folder in (("local", work / "hf"), ("s3", f"{s3}/hf")):  # init_from, before any step
+            session(work / f"init_{tag}", [f"model.init_from=hf:{folder}", "checkpoint.save_at_end=false"], stop_at=1,
+                    resume="none", dump_loaded_to=work / f"init_{tag}.pt")
         res = {"after_kill": session(work / "kill", SRC, stop_at=5),
                "elastic": session(work / "elastic", [f"checkpoint.dir={s3}/elastic/checkpoints",
                                                      "checkpoint.save_at_end=true"],

@@ -48,6 +48,12 @@ def runs(s3, tmp_path_factory):
     res["killed_stderr"] = killed.stderr
     res["latest_after_kill"] = fs.cat_file(f"{bucket}/src/checkpoints/latest").decode().strip()
     res["step8_after_kill"] = sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket}/src/checkpoints/step_8"))
+    # the source run's step 4 as a Hugging Face folder, on local disk and in the bucket (init_from)
+    from fsdpkit.export import export_checkpoint
+
+    fs.get(f"{bucket}/src/checkpoints/step_4", str(work / "src_step_4"), recursive=True)
+    export_checkpoint(work / "src_step_4", work / "hf")
+    fs.put(str(work / "hf"), f"{bucket}/hf", recursive=True)
     torchrun(3, WORKER, "ws3", str(out / "ws3.json"), str(work), bucket, env=s3.env)
     res.update(json.loads((out / "ws3.json").read_text()))
     return res, work, bucket, fs
@@ -167,3 +173,17 @@ def test_crafted_metadata_on_s3_is_refused_without_running_code(runs, tmp_path):
     with pytest.raises(UnsafeCheckpointError, match=r"asks to load `(posix|os)\.system`"):
         safe_reader(open_storage(f"s3://{bucket}/crafted/step_1")).read_metadata()
     assert not marker.exists()
+
+
+def test_init_from_a_hugging_face_folder_in_the_bucket_equals_the_local_folder(runs):
+    """model.init_from=hf:s3://...: 3 ranks (vocab 1001 splits unevenly) each read their own rows by
+    ranged GETs; the weights equal those loaded from the same folder on local disk, bit for bit."""
+    res, work, bucket, fs = runs
+    local, remote = torch.load(work / "init_local.pt"), torch.load(work / "init_s3.pt")
+    weights = [k for k in local if k.startswith("model.")]
+    assert weights and any("embed_tokens" in k for k in weights)
+    for key in weights:
+        assert torch.equal(local[key], remote[key]), key
+    saved = torch.load(work / "saved_src.pt")  # what the folder was exported from (fp32: exact)
+    for key in weights:
+        assert torch.equal(saved[key], remote[key]), key

@@ -114,7 +114,7 @@ def test_async_alias_and_cross_checks():
         compose_config(["export.on_finish=true", "checkpoint.save_at_end=false"])
 
 
-@pytest.mark.parametrize("override", ["export.dir=az://c/out", "model.init_from=hf:s3://b/model", "run_dir=file:///x"])
+@pytest.mark.parametrize("override", ["export.dir=az://c/out", "run_dir=file:///x"])
 def test_urls_are_refused_where_only_local_paths_work(override):
     key = override.split("=", 1)[0]
     with pytest.raises(ValueError, match=rf"{key}='.*' is a \w+:// URL; {key} takes a local or mounted path only"):
@@ -132,6 +132,9 @@ def test_checkpoint_urls_need_a_driver_and_sharded_checkpoints():
         compose_config(["checkpoint.dir=s3://b/x", "strategy.state_dict_type=full"])
     with pytest.raises(ValueError, match=r"export.on_finish exports from checkpoint.dir, and s3://b/x is a URL"):
         compose_config(["checkpoint.dir=s3://b/x", "export.on_finish=true"])
+    assert compose_config(["model.init_from=hf:s3://b/model"]).model.init_from == "hf:s3://b/model"
+    with pytest.raises(ValueError, match=r"model.init_from='nosuch://b/m': fsspec knows no nosuch:// scheme"):
+        compose_config(["model.init_from=hf:nosuch://b/m"])
     with pytest.raises(ValueError, match=r"checkpoint.storage_options holds credentials \(secret\)"):
         compose_config(["checkpoint.dir=s3://b/x", "+checkpoint.storage_options.secret=abc"])
 

@@ -184,9 +184,9 @@ def validate(cfg: Config) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
                          "`pip install tensorboard`, or set logging.tensorboard=false")
-    for setting, value in (("run_dir", cfg.run_dir), ("export.dir", cfg.export.dir),
-                           ("model.init_from", m.init_from.removeprefix("hf:"))):
+    for setting, value in (("run_dir", cfg.run_dir), ("export.dir", cfg.export.dir)):
         refuse_url(value, setting=setting)
+    check_url(m.init_from.removeprefix("hf:"), setting="model.init_from")  # a folder, or a URL read by ranged GETs
     if cfg.export.on_finish and is_url(cfg.checkpoint.dir):
         raise ValueError(f"export.on_finish exports from checkpoint.dir, and {cfg.checkpoint.dir} is a URL, which the "
                          "end-of-run export does not read yet; set export.on_finish=false and run "

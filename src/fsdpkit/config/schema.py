@@ -112,7 +112,8 @@ class ModelConfig:
     init_from: str = ""
     """`hf:<dir>`: start from the weights of a Hugging Face safetensors folder (model.safetensors
     or shards with an index) instead of a random init; each rank reads only the slices it owns,
-    converted to the parameter dtype. Keys and shapes must match the model. Ignored when the run
+    converted to the parameter dtype. The folder may be an fsspec URL (`hf:s3://bucket/model`;
+    ranged GETs of each rank's rows, credentials as for checkpoint.dir). Keys and shapes must match the model. Ignored when the run
     resumes from a checkpoint. Empty: random init from seed."""
     resize_to_tokenizer: bool = False
     """data.kind=hf: when data.tokenizer has more tokens than the model's vocabulary, grow the

@@ -10,6 +10,7 @@ so ranks may call it at different speeds. Everything is checked before the first
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections import Counter
@@ -22,8 +23,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdpkit.checkpoint.errors import CheckpointMismatchError
+from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from fsdpkit.checkpoint.manifest import dtype_name
+from fsdpkit.checkpoint.storage import RemotePath, open_storage
 from fsdpkit.export.keys import clean_name
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
 from fsdpkit.model import reset_nonpersistent_buffers
@@ -84,7 +86,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
             listing every key; nothing has been modified then.
     """
     t0 = time.perf_counter()
-    hf_dir = Path(hf_dir)
+    hf_dir = open_storage(hf_dir)  # a local folder, or an fsspec URL read by ranged GETs
     if not hf_dir.exists():
         raise FileNotFoundError(f"{hf_dir} does not exist")
     index = _file_index(hf_dir)
@@ -133,7 +135,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
             done.add(id(target))
             file = index[source][0]
             if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt")
+                handles[file] = RemoteSafetensors(file) if isinstance(file, RemotePath) else safe_open(str(file), framework="pt")
             local, piece = _local_piece(target)
             if name in grown:  # only the rows the file has: [0, its rows) of the global tensor
                 stop = min(piece[0].stop, grown[name])
@@ -151,6 +153,49 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     return {"loaded": len(plan), "grown": grown, "missing": missing, "unexpected": unexpected, "ignored": ignored,
             "files": sorted({str(index[s][0]) for s in plan.values()}), "conversions": dict(conversions),
             "bytes_read": bytes_read, "seconds": time.perf_counter() - t0}
+
+
+class RemoteSafetensors:
+    """The part of `safetensors.safe_open` that loading uses (`get_tensor`, `get_slice(name)[piece]`),
+    over a file in object storage: the header is read once, and a piece costs one ranged read of
+    the dim-0 rows it spans (the other dims are cut in memory), so a rank fetches its own shard's
+    rows, not the file."""
+
+    def __init__(self, path: RemotePath):
+        self.path, self.header = path, read_header(path)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.get_slice(name)[()]
+
+    def get_slice(self, name: str) -> _RemoteSlice:
+        return _RemoteSlice(self, name)
+
+    def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
+        dtype, shape, begin, _ = self.header.tensors[name]
+        row = dtype.itemsize * math.prod(shape[1:])
+        first = self.header.data_start + begin + start * row
+        data = bytearray((stop - start) * row)
+        got = self.path.read_range_into(memoryview(data), first) if data else 0
+        if got != len(data):
+            raise CheckpointCorruptError(f"{self.path}: {name} ends early ({got} of {len(data)} bytes)")
+        return torch.frombuffer(data, dtype=dtype).reshape([stop - start, *shape[1:]]) if data else \
+            torch.empty([0, *shape[1:]], dtype=dtype)
+
+
+class _RemoteSlice:
+    def __init__(self, file: RemoteSafetensors, name: str):
+        self.file, self.name = file, name
+
+    def __getitem__(self, piece: tuple[slice, ...]) -> torch.Tensor:
+        shape = self.file.header.tensors[self.name][1]
+        if not shape:  # a 0-dim tensor: its bytes are one "row"
+            dtype, _, begin, end = self.file.header.tensors[self.name]
+            data = bytearray(self.file.path.read_range(self.file.header.data_start + begin,
+                                                       self.file.header.data_start + end))
+            return torch.frombuffer(data, dtype=dtype).reshape([])
+        piece = piece or tuple(slice(0, s) for s in shape)
+        rows = self.file.rows(self.name, piece[0].start or 0, min(shape[0], piece[0].stop))
+        return rows[(slice(None), *piece[1:])]
 
 
 def _local_piece(t: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:

@@ -60,7 +60,7 @@ def read_header(path: Path) -> Header:
         FileNotFoundError: no such file.
         CheckpointCorruptError: not a safetensors file, or truncated.
     """
-    with open(path, "rb") as f:
+    with path.open("rb") as f:  # a local Path, or a RemotePath (two ranged reads)
         head = f.read(8)
         if len(head) != 8:
             raise CheckpointCorruptError(f"{path} is not a safetensors file (shorter than 8 bytes)")
@@ -68,7 +68,7 @@ def read_header(path: Path) -> Header:
         if n > MAX_HEADER_BYTES:
             raise CheckpointCorruptError(f"{path} is not a safetensors file (header length {n})")
         raw = f.read(n)
-        size = os.fstat(f.fileno()).st_size
+    size = path.stat().st_size
     try:
         header = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
