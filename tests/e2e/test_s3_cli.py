@@ -65,9 +65,13 @@ def test_a_store_that_stops_answering_fails_the_save_and_latest_stays_committed(
     with s3_server() as doomed:
         proc = subprocess.Popen([sys.executable, "-m", "fsdpkit", "train", "--nproc", "2", "experiment=demo",
                                  "train.max_steps=200", "checkpoint.every_steps=2", "train.eval_every=0",
-                                 f"run_dir={tmp_path}", f"checkpoint.dir=s3://{bucket}/run"],
+                                 # no on_exception save: it would retry the dead store once more
+                                 "checkpoint.on_exception=false", f"run_dir={tmp_path}",
+                                 f"checkpoint.dir=s3://{bucket}/run"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                                env={**os.environ, **doomed.env, "OMP_NUM_THREADS": "1"})
+                                # botocore's own attempts per request: 1 (the standard AWS_MAX_ATTEMPTS); s3fs
+                                # still retries each request 5 times with backoff, so the run gives up in seconds
+                                env={**os.environ, **doomed.env, "OMP_NUM_THREADS": "1", "AWS_MAX_ATTEMPTS": "1"})
         deadline = time.monotonic() + 300
         while not fs.exists(f"{bucket}/run/latest"):
             assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was committed"
