@@ -47,7 +47,9 @@ def test_stopped_rank_ends_the_job_within_the_bound_and_is_named(tmp_path):
     # one line names the stopped rank and what each rank was doing
     lines = [ln for ln in err.splitlines() if "rank 1 stopped answering" in ln]
     assert len(lines) == 1, err[-4000:]
-    assert "its last heartbeat: step" in lines[0] and "rank 0: " in lines[0]
+    # its last heartbeat names a phase ("step N: ..." or, when rank 1 had not yet published a step
+    # within heartbeat_s of starting, "starting"), and rank 0 says what it was doing
+    assert "its last heartbeat: " in lines[0] and "rank 0: failed at step" in lines[0], lines[0]
     # the launcher names what happened and where a rerun resumes
     assert "rank 0 (pid" in err and "exited with code 1" in err
     step = latest(run)["step"]
