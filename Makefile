@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test multinode chaos bench lint clean
+.PHONY: demo test test-cuda multinode chaos bench bench-gpu lint clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,14 @@ bench: $(STAMP)
 	-$(BIN)/python bench/data.py
 	-$(BIN)/python bench/s3.py
 	$(BIN)/python bench/results_md.py --since $$(cat bench/.bench_started)
+
+# The CUDA/NCCL paths on one GPU (skipped, with the reason, without CUDA; CI has none), and the GPU
+# checkpoint benchmark (bench/RESULTS-gpu.md holds its figures, copied by hand).
+test-cuda: $(STAMP)
+	$(BIN)/python -m pytest tests/cuda -ra -v
+
+bench-gpu: $(STAMP)
+	$(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_checkpoint.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench examples chaos

@@ -86,7 +86,7 @@ def main() -> int:
     with ckpt:
         for step in range(start + 1, args.steps + 1):
             batch = global_batch(data["position"], args.global_batch, args.seq_len, config.vocab_size, seed=1)
-            mine = batch[rank * per_rank:(rank + 1) * per_rank]
+            mine = batch[rank * per_rank:(rank + 1) * per_rank].to(accelerator.device)
             logits = model(input_ids=mine[:, :-1]).logits
             loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), mine[:, 1:].flatten(), reduction="sum")
             accelerator.backward(loss_sum * ws / batch[:, 1:].numel())  # the global mean loss's gradients
@@ -100,7 +100,7 @@ def main() -> int:
                 preempted = True
                 break
     with torch.no_grad():  # probe logits of the final weights (a collective forward under FSDP2)
-        probe = model(input_ids=torch.arange(12).reshape(1, 12)).logits
+        probe = model(input_ids=torch.arange(12, device=accelerator.device).reshape(1, 12)).logits
     if rank == 0 and args.out:
         args.out.write_text(json.dumps({"losses": losses, "resumed": ckpt.resumed, "world_size": ws,
                                         "sharding": sharding, "probe": probe.tolist()}))

@@ -64,14 +64,19 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="write {step: loss} and the resume event here (rank 0)")
     args = p.parse_args()
 
-    dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    if torch.cuda.is_available():  # one GPU per rank, NCCL; else gloo ranks on the CPU
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank, ws = dist.get_rank(), dist.get_world_size()
     if args.global_batch % ws:
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the world size {ws}")
     torch.manual_seed(0)  # the same initial weights on every rank, before sharding
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(device)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -92,7 +97,7 @@ def main() -> int:
     with ckpt:  # on an exception: an on_exception save if every rank can take part, then re-raise
         for step in range(start + 1, args.steps + 1):
             batch = global_batch(data["position"], args.global_batch, args.seq_len, config.vocab_size, seed=1)
-            mine = batch[rank * per_rank:(rank + 1) * per_rank]
+            mine = batch[rank * per_rank:(rank + 1) * per_rank].to(device)
             logits = model(input_ids=mine[:, :-1]).logits
             loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), mine[:, 1:].flatten(), reduction="sum")
             # FSDP averages gradients over ranks: scale so that they are those of the global mean loss

@@ -161,8 +161,8 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Load `ckpt_dir` into `target` (resharding to the current world size as needed).
 
-    Checks the model fingerprint before touching any state. `skip` names Stateful pieces left
-    unrestored (only tests use it, to prove that resume-check notices a lost piece of state). With `verify`, recomputes per-tensor
+    Checks the model fingerprint before touching any state. `skip` names Stateful pieces (or `rng`)
+    left unrestored (only tests use it, to prove that resume-check notices a lost piece of state). With `verify`, recomputes per-tensor
     checksums of what was restored and compares them with the manifest. With `verify_files`,
     checks every file's checksum from the bytes read for loading (see verified_read.py): for a
     checkpoint that `resolve_checkpoint(verify_checksums=False)` found, in one read instead of two.
@@ -187,7 +187,7 @@ def load_checkpoint(
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
     if not model_only:
         _restore_stateful(target, manifest, tensors, skip=skip, ckpt_dir=ckpt_dir)
-        if rng is not None:
+        if rng is not None and "rng" not in skip:
             restore_rng(rng)
     t_load = time.perf_counter()
     if verify:
@@ -230,8 +230,13 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": {METADATA_FILENAME: files[METADATA_FILENAME]}},
                                                  group=group))
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
-    if "rng" in state and f"rng.rank{rank}.torch_cpu" not in reader.read_metadata().state_dict_metadata:
-        del state["rng"]
+    if "rng" in state:  # a rank the saving run did not have, or a generator it lacked (CUDA saved on a CPU host)
+        saved = reader.read_metadata().state_dict_metadata
+        rng = {k: v for k, v in state["rng"][f"rank{rank}"].items() if f"rng.rank{rank}.{k}" in saved}
+        if "torch_cpu" in rng:
+            state["rng"][f"rank{rank}"] = rng
+        else:
+            del state["rng"]
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except (Exception, CheckpointException):  # the latter is a BaseException; a corrupt file may break the load

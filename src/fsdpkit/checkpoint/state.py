@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -23,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+
+log = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
@@ -146,6 +149,9 @@ def restore_rng(state: dict[str, torch.Tensor]) -> None:
     random.setstate((py[0], tuple(py[1:]), None))
     if "torch_cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["torch_cuda"])
+    elif torch.cuda.is_available():
+        log.warning("the checkpoint holds no CUDA RNG state (saved without CUDA): CUDA's generator keeps this "
+                    "run's seed, so dropout and other CUDA randomness will not continue the saved run's stream")
 
 
 def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
