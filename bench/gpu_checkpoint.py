@@ -7,8 +7,11 @@ saves (min-max beside it); the first save of each kind is a warm-up and not coun
 - async stall: `Checkpointer(async_save=True).save()` until the loop may go on (a copy into its
   reused pinned buffer), against `dcp.async_save()` until it returns, and against the ceiling, one
   device-to-host copy of the same bytes into pinned memory (one stream, as the save uses);
-- sync save: `Checkpointer.save()` (checksums, manifest, commit) against `dcp.save()` of the same
-  state, and against one stream writing the same bytes with fsync.
+- sync save: `Checkpointer.save()` (checksums, manifest, commit; no retention) against `dcp.save()` of the same
+  state, and against one stream writing the same bytes with fsync;
+- resume: a fresh Checkpointer's `resume()` of the newest sync checkpoint (resolution, load with the
+  file checksums taken from the load's own read, restored-tensor checksums) against `dcp.load` +
+  `set_state_dict` of the same checkpoint (both from the page cache).
 
 Usage (a GPU machine): torchrun --nproc-per-node 1 bench/gpu_checkpoint.py [--size-gib 2] [--runs 5]
 Rank 0 prints a markdown table and writes bench/results/gpu_checkpoint.json.
@@ -29,11 +32,13 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from fsdpkit.checkpoint import Checkpointer
+from fsdpkit.checkpoint.dcp_storage import hashing_writer
+from fsdpkit.checkpoint.manifest import read_manifest
 
 RESULTS = Path(__file__).parent / "results" / "gpu_checkpoint.json"
 WIDTH = 4096
@@ -108,15 +113,35 @@ def main() -> None:
     times = ceilings(nbytes, args.runs, scratch, device)
     state = lambda: dict(zip(("model", "optim"), get_state_dict(model, optimizer), strict=True))  # noqa: E731
 
+    def resume(root: Path) -> None:
+        """fsdpkit's whole checkpoint part of a resume: resolution, load with every file's checksum
+        taken from the load's own read, the restored tensors' checksums against the manifest."""
+        ckpt = Checkpointer(root, model=model, optimizer=optimizer)
+        if ckpt.resume() != args.runs + 1:
+            raise RuntimeError("the resume did not load the newest checkpoint")
+        ckpt.close()
+
+    def dcp_load(path: Path) -> None:
+        sd = state()
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+
     for mode in ("async", "sync"):  # the stall each save reports: for async, until the loop may go on
         records: list[dict] = []
-        ckpt = Checkpointer(scratch / f"fsdpkit-{mode}", model=model, optimizer=optimizer, async_save=mode == "async",
-                            keep_last=1, verify_checksums=False, on_event=records.append)
+        root = scratch / f"fsdpkit-{mode}"
+        ckpt = Checkpointer(root, model=model, optimizer=optimizer, async_save=mode == "async",
+                            verify_checksums=False, on_event=records.append)  # no retention: nothing deleted in a save
         ckpt.resume()
         for step in range(1, args.runs + 2):
             ckpt.save(step, wait=True)  # async: waits for the commit after the stall, so no save waits for another
         ckpt.close()
         times[f"fsdpkit_{mode}_stall_s"] = [r["stall_s"] for r in records if r["event"] == "checkpoint"][1:]
+        parts = [read_manifest(root / f"step_{step}")["timings"] for step in range(2, args.runs + 2)]
+        times[f"fsdpkit_{mode}_dcp_write_s"] = [t["write_s"] for t in parts]  # DCP write + file-list gather
+        if mode == "sync":
+            times["fsdpkit_resume_s"] = timed(lambda r=root: resume(r), args.runs)
+            times["dcp_load_s"] = timed(lambda r=root: dcp_load(r / f"step_{args.runs + 1}"), args.runs)
+        shutil.rmtree(root)
 
     dcp_stalls: list[float] = []
 
@@ -129,6 +154,9 @@ def main() -> None:
     times["dcp_async_stall_s"] = dcp_stalls[1:]
     times["dcp_save_s"] = timed(lambda: dcp.save(state(), checkpoint_id=scratch / "dcp"), args.runs,
                                 before=lambda: shutil.rmtree(scratch / "dcp", ignore_errors=True))
+    times["dcp_save_hashing_writer_s"] = timed(  # the same dcp.save through fsdpkit's file-hashing writer alone
+        lambda: dcp.save(state(), storage_writer=hashing_writer(scratch / "dcp-h", thread_count=1)[0]), args.runs,
+        before=lambda: shutil.rmtree(scratch / "dcp-h", ignore_errors=True))
     times["fsdpkit_sync_save_s"] = times.pop("fsdpkit_sync_stall_s")
 
     if tdist.get_rank() == 0:
@@ -139,6 +167,11 @@ def main() -> None:
             ("dcp.async_save stall", med["dcp_async_stall_s"], "fsdpkit async stall", med["fsdpkit_async_stall_s"]),
             ("fsdpkit sync save", med["fsdpkit_sync_save_s"], "dcp.save", med["dcp_save_s"]),
             ("fsdpkit sync save", med["fsdpkit_sync_save_s"], "1-stream write+fsync", med["write_fsync_s"]),
+            ("fsdpkit sync: DCP write + gather", med["fsdpkit_sync_dcp_write_s"], "dcp.save", med["dcp_save_s"]),
+            ("dcp.save through fsdpkit's file-hashing writer", med["dcp_save_hashing_writer_s"], "dcp.save",
+             med["dcp_save_s"]),
+            ("fsdpkit resume (checkpoint part)", med["fsdpkit_resume_s"], "dcp.load + set_state_dict",
+             med["dcp_load_s"]),
         ]
         print(f"\nstate on the GPU: {gb:.2f} GB ({torch.cuda.get_device_name(device)}), medians of {args.runs}\n")
         print("| figure | s | against | s | ratio |\n|---|---|---|---|---|")
