@@ -33,3 +33,28 @@ def test_split_invariant_and_sensitive(algorithm, dtype):
 def test_unknown_algorithm_is_an_error():
     with pytest.raises(ValueError, match="unknown tensor hash algorithm"):
         hash_part(torch.zeros(2, 2), first_row=0, algorithm="md5")
+
+
+def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes():
+    """Writes under and over the overlap threshold (the latter hashed on another thread while
+    written), and a short write, give xxh3-64 of exactly the bytes the file holds."""
+    import io
+
+    import xxhash
+
+    from fsdpkit.checkpoint.hashing import _HashingStream
+
+    class Short(io.BytesIO):  # accepts only part of one large write, as a non-blocking stream may
+        def write(self, b):
+            return super().write(bytes(b)[: len(b) - 7] if len(b) > 3 << 20 else b)
+
+    big = torch.randint(0, 255, (5 << 20,), dtype=torch.uint8).numpy()
+    for raw in (io.BytesIO(), Short()):
+        got = {}
+        stream = _HashingStream(raw, lambda size, digest, got=got: got.update(size=size, digest=digest))
+        for chunk in (b"header", big[: 2 << 20], b"x" * 100, big):
+            stream.write(chunk)
+        stream.close()
+        data = raw.getvalue()
+        assert got == {"size": len(data), "digest": xxhash.xxh3_64(data).hexdigest()}
+        assert len(data) == 6 + (2 << 20) + 100 + (5 << 20) - (7 if isinstance(raw, Short) else 0)

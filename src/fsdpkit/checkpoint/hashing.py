@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -41,8 +42,28 @@ READ_CHUNK_BYTES = 8 << 20
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 
+_overlap_pool: ThreadPoolExecutor | None = None
+_overlap_lock = threading.Lock()
+
+
+def _hash_pool() -> ThreadPoolExecutor:
+    """Threads that hash a large write while the writing thread copies it into the file (one per
+    DCP writer thread at most is busy at a time; xxh3 and the write both release the GIL)."""
+    global _overlap_pool
+    with _overlap_lock:
+        if _overlap_pool is None:
+            _overlap_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fsdpkit-file-hash")
+        return _overlap_pool
+
+
 class _HashingStream(io.RawIOBase):
-    """Passes writes through to `raw` and hashes them; reports (size, digest) on close."""
+    """Passes writes through to `raw` and hashes them; reports (size, digest) on close.
+
+    A write of OVERLAP_BYTES or more is hashed on another thread while this one writes it, and
+    `write` returns only when both are done: the caller (torch.save) may free or reuse the buffer
+    as soon as it returns, so the hash never reads it later."""
+
+    OVERLAP_BYTES = 1 << 20
 
     def __init__(self, raw, on_close):
         super().__init__()
@@ -53,9 +74,21 @@ class _HashingStream(io.RawIOBase):
 
     def write(self, b) -> int:
         data = memoryview(b).cast("B")  # count and hash bytes, whatever the buffer's item format
-        n = self._raw.write(data)
-        n = len(data) if n is None else n
-        self._hash.update(data[:n])
+        if len(data) < self.OVERLAP_BYTES:
+            n = self._raw.write(data)
+            n = len(data) if n is None else n
+            self._hash.update(data[:n])
+        else:
+            before = self._hash.copy()
+            hashed = _hash_pool().submit(self._hash.update, data)
+            try:
+                n = self._raw.write(data)
+            finally:
+                hashed.result()
+            n = len(data) if n is None else n
+            if n != len(data):  # a short write: hash what reached the file, not what was offered
+                before.update(data[:n])
+                self._hash = before
         self._size += n
         return n
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -68,26 +69,34 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 continue
             with closing(self._read_ahead(name, ordered)) as items:  # stops the read-ahead at once on an error
                 for req, info, data in items:
-                    self._consume(req, info, io.BytesIO(data), planner)
+                    self._consume(req, info, _MemoryReader(data), planner)
         if partial:  # DCP's own slice reads for the rest
             super().read_data(LoadPlan(partial, plan.storage_data, plan.planner_data), planner).wait()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
 
-    def _read_ahead(self, name: str, ordered: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, bytes]]:
+    def _read_ahead(self, name: str, ordered: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, memoryview]]:
         """(item, storage info, its bytes) in file order; a worker thread reads and hashes up to
         READ_AHEAD_BYTES ahead (reads and xxh3 release the GIL), so the disk streams while the
-        caller deserialises. Records the file's (size, digest) once it was read to the end."""
+        caller deserialises. Records the file's (size, digest) once it was read to the end.
+
+        The bytes land in buffers reused from item to item (a view is valid until the caller asks
+        for the next item): a fresh buffer per item costs a page fault per 4 KiB, and faults taken
+        by this thread and by `torch.load`'s allocations on the caller's serialise in the kernel."""
         digest, size = xxhash.xxh3_64(), [0]
+        buffers = _Buffers()
         with (self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream,
               ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-load-read") as pool):
 
-            def read(length: int) -> bytes:  # one worker: runs in submission order
-                data = stream.read(length)
-                digest.update(data)
-                size[0] += len(data)
-                return data
+            def read(length: int) -> memoryview:  # one worker: runs in submission order
+                view = buffers.take(length)
+                got = 0
+                while got < length and (n := stream.readinto(view[got:])):
+                    got += n
+                digest.update(view[:got])
+                size[0] += got
+                return view[:got]
 
             ahead: deque[tuple[ReadItem, _StorageInfo, Any]] = deque()
             queued = in_flight = 0
@@ -101,6 +110,7 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 data = pending.result()
                 in_flight -= info.length
                 yield req, info, data
+                buffers.give_back(data)  # the caller is done with it
             longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
         self.digests[name] = (size[0] + len(longer), digest.hexdigest())
 
@@ -119,6 +129,59 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                              f"the target expects {tuple(target.size())}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+class _Buffers:
+    """Byte buffers reused between items; at most the read-ahead window's worth (plus one item)
+    is handed out at a time, so that is what it holds."""
+
+    def __init__(self) -> None:
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, length: int) -> memoryview:
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= length]
+            if fits:
+                buf = min(fits, key=len)
+                self._free.remove(buf)
+                return memoryview(buf)[:length]
+        return memoryview(bytearray(length))
+
+    def give_back(self, view: memoryview) -> None:
+        buf = view.obj
+        view.release()
+        with self._lock:
+            self._free.append(buf)
+
+
+class _MemoryReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview, without copying it (io.BytesIO would)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
 
 
 def file_problems(ckpt_dir: Path, manifest: dict[str, Any], digests: dict[str, tuple[int, str]], *,
