@@ -98,7 +98,7 @@ QUICK = {"sizes_gib": "0.125", "runs": 2, "b3_runs": 1, "b6_size_gib": 0.0625, "
          "scale_runs": 1}
 FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps": 80, "b6_every": 20,
         "step_ms": 100.0, "ceiling_gib": 1.0, "memcpy_mib": 512, "b6_rounds": 5, "ceiling_reps": 5,
-        "resume_launches": 5, "scale_sizes_gib": "0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0, "scale_ranks": "1,2,4",
+        "resume_launches": 5, "scale_sizes_gib": "0.01,0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0, "scale_ranks": "1,2,4",
         "scale_runs": 3}
 
 
@@ -389,7 +389,7 @@ def machine(parent: Path, repo_dev: int, load_before: tuple[float, float, float]
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes-gib", help="total state sizes over 2 ranks for B1-B5, B7 (default 1; B8 covers 0.25-4)")
+    p.add_argument("--sizes-gib", help="total state sizes over 2 ranks for B1-B5, B7 (default 1; B8 covers 0.01-4)")
     p.add_argument("--runs", type=int, help="runs per method for medians (default 5)")
     p.add_argument("--b3-runs", type=int, help="runs per method for peak memory (default 3)")
     p.add_argument("--only", default=",".join(PHASES), help="phases to run, e.g. B1,B2 (default all)")
@@ -405,7 +405,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--memcpy-mib", type=int, help="tensor size for the memcpy ceiling (default 512)")
     p.add_argument("--ceiling-reps", type=int, help="repetitions of every ceiling, medians (default 5)")
     p.add_argument("--resume-launches", type=int, help="B7: fresh resumed runs per method (default 5)")
-    p.add_argument("--scale-sizes-gib", help="B8: state sizes over 2 ranks (default 0.25,0.5,1,2,4)")
+    p.add_argument("--scale-sizes-gib", help="B8: state sizes over 2 ranks (default 0.01,0.25,0.5,1,2,4: the smallest pins the constant of the fit)")
     p.add_argument("--scale-rank-size-gib", type=float, help="B8: state size for the rank counts (default 1)")
     p.add_argument("--scale-ranks", help="B8: rank counts at that size (default 1,2,4)")
     p.add_argument("--scale-runs", type=int, help="B8: runs per size and method (default 3)")
