@@ -46,7 +46,30 @@ def phase_ws2(work: Path, s3: str) -> dict:
     res["async"] = [session(work / "async", [*run_async, "checkpoint.every_steps=3"], stop_at=6),
                     session(work / "async", [*run_async, "checkpoint.save_at_end=true"])]
     res["src"] = session(work / "src", SRC, stop_at=4, dump_final_to=work / "saved_src.pt")
+    res["mirror"] = phase_mirror(work, s3)
     return res
+
+
+def phase_mirror(work: Path, s3: str) -> list[dict]:
+    """checkpoint.local_dir: async saves to the bucket with a local copy (keep_last=1 on both);
+    the first restart reads the copy, the second finds the copy's manifest changed and reads the bucket."""
+    settings = [f"checkpoint.dir={s3}/mirror/checkpoints", f"checkpoint.local_dir={work / 'mirror'}",
+                "checkpoint.keep_last=1", "checkpoint.async_save=true"]
+    parts = [session(work / "mirror_run", [*settings, "checkpoint.every_steps=3"], stop_at=3)]
+    parts[0]["mirror_after"] = listing(work / "mirror")
+    parts.append(session(work / "mirror_run", [*settings, "checkpoint.every_steps=3"], stop_at=6))
+    parts[1]["mirror_after"] = listing(work / "mirror")
+    if dist.is_main():  # the same JSON with one more space: no longer byte for byte the remote manifest
+        manifest = work / "mirror" / "step_6" / "manifest.json"
+        manifest.write_text(manifest.read_text() + " ")
+    dist.barrier()
+    parts.append(session(work / "mirror_run", [*settings, "checkpoint.save_at_end=true"]))
+    parts[2]["mirror_after"] = listing(work / "mirror")
+    return parts
+
+
+def listing(local: Path) -> dict[str, list[str]]:
+    return {d.name: sorted(f.name for f in d.iterdir()) for d in sorted(local.iterdir()) if d.is_dir()}
 
 
 def main() -> None:

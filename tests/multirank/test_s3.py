@@ -187,3 +187,49 @@ def test_init_from_a_hugging_face_folder_in_the_bucket_equals_the_local_folder(r
     saved = torch.load(work / "saved_src.pt")  # what the folder was exported from (fp32: exact)
     for key in weights:
         assert torch.equal(saved[key], remote[key]), key
+
+
+def test_local_dir_mirror_serves_the_restart_until_its_manifest_differs(runs):
+    """checkpoint.local_dir: the resume event names the local copy and the remote checkpoint it
+    mirrors; a copy whose manifest differs from the remote one by one byte is not read; retention
+    of the bucket reaches the copy; the resumed run's losses equal an uninterrupted run's, bit for bit."""
+    res, work, bucket, fs = runs
+    first, second, third = res["mirror"]
+    remote, local = f"s3://{bucket}/mirror/checkpoints", work / "mirror"
+    assert first["resume_event"] is None
+    assert list(first["mirror_after"]) == ["step_3"]
+    assert second["resume_event"] == {"step": 3, "path": str(local / "step_3"), "mirror_of": f"{remote}/step_3"}
+    assert second["resumed_from"] == str(local / "step_3") and second["start"] == 3
+    assert list(second["mirror_after"]) == ["step_6"]  # step_3 went with the bucket's keep_last=1
+    assert third["resume_event"] == {"step": 6, "path": f"{remote}/step_6", "mirror_of": None}  # changed copy: bucket
+    assert [x for p in res["mirror"] for x in p["losses"]] == res["full"]["losses"]
+    manifest = json.loads(fs.cat_file(f"{bucket}/mirror/checkpoints/step_8/manifest.json"))
+    assert third["mirror_after"] == {"step_8": sorted([*manifest["files"], "manifest.json"])}
+    for name in [*manifest["files"], "manifest.json"]:  # the copy holds the bucket's bytes
+        assert (local / "step_8" / name).read_bytes() == fs.cat_file(f"{bucket}/mirror/checkpoints/step_8/{name}"), name
+
+
+def test_overlapped_upload_writes_parts_small_files_and_aborts_cleanly(s3):
+    """multipart.py on the S3 server: a file of several parts written in odd-sized pieces, a file
+    smaller than a part (one PUT), and an aborted upload that leaves no object and no upload behind."""
+    import boto3
+    import s3fs
+
+    from fsdpkit.checkpoint.multipart import OverlappedUpload
+
+    bucket, fs = s3.new_bucket(), s3fs.S3FileSystem(use_listings_cache=False)
+    data = os.urandom((11 << 20) + 12345)
+    for size in (1000, len(data)):
+        upload = OverlappedUpload(fs, f"{bucket}/f{size}", part_bytes=5 << 20, in_flight=2)
+        for start in range(0, size, 777_777):
+            upload.write(data[start:min(size, start + 777_777)])
+        assert upload.tell() == size and not fs.exists(f"{bucket}/f{size}")  # nothing visible before commit
+        upload.commit()
+        assert fs.cat_file(f"{bucket}/f{size}") == data[:size]
+    upload = OverlappedUpload(fs, f"{bucket}/aborted", part_bytes=5 << 20, in_flight=2)
+    upload.write(data)
+    upload.abort()
+    assert not fs.exists(f"{bucket}/aborted")
+    assert not boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads")
+    with pytest.raises(ValueError, match="FSDPKIT_REMOTE_PART_BYTES must be >= 5242880"):
+        OverlappedUpload(fs, f"{bucket}/x", part_bytes=1 << 20)

@@ -53,8 +53,10 @@ def configure(local_dir: str, *, root: CkptPath) -> None:
     if marker.is_file() and marker.read_text().strip() != root.url:
         raise ValueError(f"checkpoint.local_dir={local} mirrors {marker.read_text().strip()}, not checkpoint.dir="
                          f"{root.url}; give each run its own local_dir (or delete {local} if that run is gone)")
-    if not marker.is_file():
-        write_atomic(marker, root.url + "\n")
+    if not marker.is_file():  # every rank of the node may get here at once: a temporary of its own
+        tmp = local / f"{MIRROR_OF}.{os.getpid()}.tmp"
+        tmp.write_text(root.url + "\n")
+        os.replace(tmp, marker)
     _mirror.update(root=root, local=local)
 
 
