@@ -4,7 +4,8 @@ Usage: s3_worker.py PHASE OUT.json WORK_DIR BUCKET   (AWS_ENDPOINT_URL etc. in t
 Phases, run in this order by test_s3.py (run directories are local, checkpoints go to the bucket):
   ws2:   an uninterrupted reference run (local checkpoints); the same run saved to s3:// and resumed
          twice (sync saves, retention keep_last=1), and once with async saves; the 2-rank source
-         run (s3://BUCKET/src, stopped and dumped at step 4)
+         run (s3://BUCKET/src, stopped and dumped at step 4); checkpoint.local_dir: async saves with a
+         local copy, restarted twice (the copy read, then a copy whose manifest changed skipped)
   kill:  resumes s3://BUCKET/src from step 4 and saves step 8 with rank 1 SIGKILLed mid-upload
          (FSDPKIT_TEST_KILL_DURING_SAVE=8:1 set by the test): this launch fails
   ws3:   model.init_from=hf: the source's step 4 exported as a Hugging Face folder, from local disk and

@@ -129,6 +129,23 @@ def test_ckpt_tools_read_s3_and_export_equals_the_local_export(runs, tmp_path, c
     assert "model.safetensors" in files and sorted(p.name for p in (tmp_path / "from_s3").iterdir()) == files
     for name in files:
         assert (tmp_path / "from_s3" / name).read_bytes() == (tmp_path / "from_local" / name).read_bytes(), name
+    # to the bucket: the same bytes as the local export, refused over an existing output without --overwrite
+    out = f"{bucket}/exports/hf"
+    assert main(["ckpt", "export", str(tmp_path / "checkpoints"), f"s3://{out}"]) == 0
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(out)) == files
+    for name in files:
+        assert fs.cat_file(f"{out}/{name}") == (tmp_path / "from_local" / name).read_bytes(), name
+    capsys.readouterr()
+    assert main(["ckpt", "export", source, f"s3://{out}"]) == 2
+    assert f"s3://{out} already exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["ckpt", "export", source, f"s3://{out}", "--overwrite"]) == 0
+    assert fs.cat_file(f"{out}/model.safetensors") == (tmp_path / "from_local" / "model.safetensors").read_bytes()
+    fs.pipe_file(f"{bucket}/exports/notes/readme.txt", b"mine")
+    assert main(["ckpt", "export", source, f"s3://{bucket}/exports/notes", "--overwrite"]) == 2
+    assert "it holds readme.txt, which an export does not write" in capsys.readouterr().err
+    assert main(["ckpt", "export", source, f"{source}/step_8/out"]) == 2
+    assert "it overlaps the source" in capsys.readouterr().err
+    assert fs.cat_file(f"{bucket}/exports/notes/readme.txt") == b"mine"
 
 
 def test_verify_names_a_corrupt_object_and_a_missing_shard(runs, capsys):

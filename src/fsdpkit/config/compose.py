@@ -184,10 +184,10 @@ def validate(cfg: Config) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
                          "`pip install tensorboard`, or set logging.tensorboard=false")
-    for setting, value in (("run_dir", cfg.run_dir), ("export.dir", cfg.export.dir)):
-        refuse_url(value, setting=setting)
-    _refuse_overlap("checkpoint.local_dir", cfg.checkpoint.local_dir,
-                    {"run_dir": (cfg.run_dir, True), "export.dir": (cfg.export.dir, False)})
+    refuse_url(cfg.run_dir, setting="run_dir")
+    check_url(cfg.export.dir, setting="export.dir")  # a URL: exported locally, then uploaded
+    local_dirs = {"run_dir": (cfg.run_dir, True)} | ({} if is_url(cfg.export.dir) else {"export.dir": (cfg.export.dir, False)})
+    _refuse_overlap("checkpoint.local_dir", cfg.checkpoint.local_dir, local_dirs)
     check_url(m.init_from.removeprefix("hf:"), setting="model.init_from")  # a folder, or a URL read by ranged GETs
     if cfg.export.on_finish and is_url(cfg.checkpoint.dir):
         raise ValueError(f"export.on_finish exports from checkpoint.dir, and {cfg.checkpoint.dir} is a URL, which the "

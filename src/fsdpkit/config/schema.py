@@ -369,7 +369,9 @@ class ExportConfig:
     export the model with the adapters merged in (as `fsdpkit ckpt export --merge`)."""
     dir: str = "${run_dir}/export"
     """Where the export goes. An earlier fsdpkit export there is replaced; anything else (or a
-    path that is, contains or lies in the checkpoints, or is the run directory) is refused."""
+    path that is, contains or lies in the checkpoints, or is the run directory) is refused. May be
+    a URL (s3://bucket/out): exported to a local temporary directory, then uploaded with the index
+    and config.json last (see the README's "Object storage")."""
     dtype: str = "bf16"
     """`bf16`, `fp16` or `fp32`: the dtype of the exported floating tensors (training keeps fp32)."""
     format: str = "hf"
