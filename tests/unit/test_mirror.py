@@ -3,6 +3,7 @@ restart may read, pruning in step with the remote checkpoints, and the settings 
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import pytest
@@ -27,8 +28,7 @@ def _commit(root, name: str, files: dict[str, bytes]) -> None:
     for fname, data in files.items():
         (root / name / fname).write_bytes(data)
         (local / fname).write_bytes(data)
-    manifest = '{"files": {%s}}' % ", ".join(f'"{f}": {{"size": {len(d)}}}' for f, d in files.items())
-    (root / name / MANIFEST).write_text(manifest)
+    (root / name / MANIFEST).write_text(json.dumps({"files": {f: {"size": len(d)} for f, d in files.items()}}))
     mirror.publish(root / name)
 
 

@@ -29,10 +29,10 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
+from fsdpkit.checkpoint import mirror
 from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, CkptPath, step_dir_name
-from fsdpkit.checkpoint import mirror
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary, read_manifest
 from fsdpkit.checkpoint.object_lock import ObjectLock
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim, lock_for, new_run_id

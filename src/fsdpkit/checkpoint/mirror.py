@@ -22,15 +22,20 @@ could never read a complete one; `check_single_node` refuses it. One run per `lo
 from __future__ import annotations
 
 import io
-import logging
+import json
 import os
 from pathlib import Path
 from typing import IO, Any
 
-from fsdpkit.checkpoint.layout import CHECKPOINT_NAME, INCOMING, MANIFEST, CkptPath, remove_checkpoint
+from fsdpkit.checkpoint.layout import (
+    CHECKPOINT_NAME,
+    INCOMING,
+    MANIFEST,
+    CkptPath,
+    remove_checkpoint,
+)
 from fsdpkit.checkpoint.storage import RemotePath, write_atomic
 
-log = logging.getLogger("fsdpkit.checkpoint")
 MIRROR_OF = ".mirror_of"
 _mirror: dict[str, Any] = {}  # {"root": RemotePath, "local": Path} of this process's Checkpointer
 
@@ -126,8 +131,6 @@ def matching(local: Path, remote: CkptPath) -> bytes | None:
 
 def usable_mirror(remote: CkptPath) -> tuple[Path | None, str]:
     """(the mirror to read instead of the remote checkpoint `remote`, or None; why, for the log)."""
-    import json
-
     local = mirror_dir(remote)
     if local is None:
         return None, "no mirror"

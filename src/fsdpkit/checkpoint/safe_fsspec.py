@@ -53,10 +53,10 @@ class UploadingFileSystem(DcpFsspecFileSystem):
             upload = OverlappedUpload(self.fs, str(path))
             try:
                 yield upload if copy is None else TeeStream(upload, copy)
+                upload.commit()
             except BaseException:
                 upload.abort()
                 raise
-            upload.commit()
 
     def rename(self, path, new_path) -> None:
         super().rename(path, new_path)  # DCP's .metadata.tmp -> .metadata

@@ -115,8 +115,8 @@ def _upload(local: Path, remote: RemotePath) -> None:
         with local.open("rb") as f:
             while block := f.read(UPLOAD_BLOCK_BYTES):
                 upload.write(block)
+        upload.commit()
     except BaseException:
         upload.abort()
         raise
-    upload.commit()
 
