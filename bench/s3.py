@@ -14,7 +14,9 @@ One process, no process group (world of one); state = fp32 Linear layers + AdamW
 about --size-mib. Medians of --runs runs. A loopback server in Python is slow: the absolute
 figures say little about a real store, the ratios compare like with like on the same server.
 
-Usage: python bench/s3.py [--size-mib 256] [--runs 5] [--json bench/results/s3.json]
+Usage: python bench/s3.py [--size-mib 256] [--runs 5] [--json bench/results/s3.json] [--upload-only]
+(--upload-only: measure 1. alone and print it, e.g. for an A/B of upload settings such as
+FSDPKIT_REMOTE_PART_BYTES / FSDPKIT_REMOTE_PARTS_IN_FLIGHT)
 """
 
 from __future__ import annotations
