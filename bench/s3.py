@@ -3,7 +3,8 @@ process so that it does not share this process's interpreter lock), side by side
 
 1. upload: fsdpkit `save_checkpoint` to s3:// (time until committed: shards streamed and hashed,
    manifest and `latest` PUT) versus a plain s3fs `put` of the same bytes (the files that save
-   wrote, from local disk). Ratio = fsdpkit throughput / s3fs throughput (target >= 0.8).
+   wrote, from local disk), in rounds alternating which goes first. Ratio = fsdpkit throughput /
+   s3fs throughput (target >= 0.8).
 2. async stall: `AsyncSaver.save` with an s3:// target versus a local target: the time until the
    call returns (the loop's stall; the upload runs in the background), 2 x --runs saves each,
    alternating which target goes first. Ratio S3 / local (target <= 1.2).
@@ -83,24 +84,29 @@ def meta_for(target) -> dict:
 
 
 def bench_upload(target, fs, bucket: str, work: Path, runs: int) -> dict:
+    """A warm-up save whose files, fetched to local disk, are what the plain put uploads; then
+    `runs` rounds of one save and one put each, alternating which goes first (the server's state
+    after the other's requests is then no bias)."""
     from fsdpkit.checkpoint.save import save_checkpoint
     from fsdpkit.checkpoint.storage import open_storage
 
     root, meta = open_storage(f"s3://{bucket}/upload"), meta_for(target)
+    manifest = save_checkpoint(target, ckpt_dir=root / "step_0", step=0, meta=meta, group=None)
+    local = work / "plain"
+    fs.get(f"{bucket}/upload/step_0", str(local), recursive=True)
     ours, plain = [], []
-    for i in range(runs):
-        t0 = time.perf_counter()
-        manifest = save_checkpoint(target, ckpt_dir=root / f"step_{i}", step=i, meta=meta, group=None)
-        ours.append(time.perf_counter() - t0)
-        local = work / f"plain_{i}"
-        fs.get(f"{bucket}/upload/step_{i}", str(local), recursive=True)
-        t0 = time.perf_counter()
-        for name in manifest["files"]:
-            fs.put_file(str(local / name), f"{bucket}/plain/step_{i}/{name}")
-        plain.append(time.perf_counter() - t0)
-        fs.rm(f"{bucket}/plain/step_{i}", recursive=True)
-        if i < runs - 1:
-            fs.rm(f"{bucket}/upload/step_{i}", recursive=True)
+    for i in range(1, runs + 1):
+        for kind in ("ours", "plain") if i % 2 else ("plain", "ours"):
+            t0 = time.perf_counter()
+            if kind == "ours":
+                save_checkpoint(target, ckpt_dir=root / f"step_{i}", step=i, meta=meta, group=None)
+                ours.append(time.perf_counter() - t0)
+                fs.rm(f"{bucket}/upload/step_{i - 1}", recursive=True)  # the export bench reads the last one
+            else:
+                for name in manifest["files"]:
+                    fs.put_file(str(local / name), f"{bucket}/plain/step_{i}/{name}")
+                plain.append(time.perf_counter() - t0)
+                fs.rm(f"{bucket}/plain/step_{i}", recursive=True)
     nbytes = sum(info["size"] for info in manifest["files"].values())
     return {"bytes": nbytes, "fsdpkit_runs_s": ours, "s3fs_put_runs_s": plain,
             "fsdpkit_s": statistics.median(ours), "s3fs_put_s": statistics.median(plain),
