@@ -3,7 +3,8 @@ process so that it does not share this process's interpreter lock), side by side
 
 1. upload: fsdpkit `save_checkpoint` to s3:// (time until committed: shards streamed and hashed,
    manifest and `latest` PUT) versus a plain s3fs `put` of the same bytes (the files that save
-   wrote, from local disk), in rounds alternating which goes first. Ratio = fsdpkit throughput /
+   wrote, from local disk), and the save through DCP's own S3 stream (what fsdpkit's overlapped
+   multipart stream replaces), in rounds rotating which goes first. Ratio = fsdpkit throughput /
    s3fs throughput (target >= 0.8).
 2. async stall: `AsyncSaver.save` with an s3:// target versus a local target: the time until the
    call returns (the loop's stall; the upload runs in the background), 2 x --runs saves each,
@@ -85,8 +86,10 @@ def meta_for(target) -> dict:
 
 def bench_upload(target, fs, bucket: str, work: Path, runs: int) -> dict:
     """A warm-up save whose files, fetched to local disk, are what the plain put uploads; then
-    `runs` rounds of one save and one put each, alternating which goes first (the server's state
-    after the other's requests is then no bias)."""
+    `runs` rounds of a save, a save through DCP's own S3 stream (s3fs's `S3File`, parts uploaded
+    one after another: what fsdpkit's overlapped stream replaces) and a put, each round starting
+    with the next one of the three (the server's state after the others' requests is no bias)."""
+    from fsdpkit.checkpoint import safe_fsspec
     from fsdpkit.checkpoint.save import save_checkpoint
     from fsdpkit.checkpoint.storage import open_storage
 
@@ -94,24 +97,31 @@ def bench_upload(target, fs, bucket: str, work: Path, runs: int) -> dict:
     manifest = save_checkpoint(target, ckpt_dir=root / "step_0", step=0, meta=meta, group=None)
     local = work / "plain"
     fs.get(f"{bucket}/upload/step_0", str(local), recursive=True)
-    ours, plain = [], []
+    times: dict[str, list[float]] = {"fsdpkit": [], "dcp_s3file": [], "s3fs_put": []}
+    kinds, overlapped = list(times), safe_fsspec.is_s3
     for i in range(1, runs + 1):
-        for kind in ("ours", "plain") if i % 2 else ("plain", "ours"):
+        for kind in kinds[i % 3:] + kinds[:i % 3]:
             t0 = time.perf_counter()
-            if kind == "ours":
-                save_checkpoint(target, ckpt_dir=root / f"step_{i}", step=i, meta=meta, group=None)
-                ours.append(time.perf_counter() - t0)
-                fs.rm(f"{bucket}/upload/step_{i - 1}", recursive=True)  # the export bench reads the last one
-            else:
+            if kind == "s3fs_put":
                 for name in manifest["files"]:
                     fs.put_file(str(local / name), f"{bucket}/plain/step_{i}/{name}")
-                plain.append(time.perf_counter() - t0)
+                times[kind].append(time.perf_counter() - t0)
                 fs.rm(f"{bucket}/plain/step_{i}", recursive=True)
+                continue
+            safe_fsspec.is_s3 = overlapped if kind == "fsdpkit" else (lambda _fs: False)
+            try:
+                save_checkpoint(target, ckpt_dir=root / f"{kind}_{i}", step=i, meta=meta, group=None)
+            finally:
+                safe_fsspec.is_s3 = overlapped
+            times[kind].append(time.perf_counter() - t0)
+            fs.rm(f"{bucket}/upload/{kind}_{i}", recursive=True)  # the server keeps objects in memory
+    fs.rm(f"{bucket}/upload", recursive=True)
+    save_checkpoint(target, ckpt_dir=root / "step_1", step=1, meta=meta, group=None)  # what the export bench reads
     nbytes = sum(info["size"] for info in manifest["files"].values())
-    return {"bytes": nbytes, "fsdpkit_runs_s": ours, "s3fs_put_runs_s": plain,
-            "fsdpkit_s": statistics.median(ours), "s3fs_put_s": statistics.median(plain),
-            "fsdpkit_mbps": nbytes / statistics.median(ours) / 1e6, "s3fs_put_mbps": nbytes / statistics.median(plain) / 1e6,
-            "ratio": statistics.median(plain) / statistics.median(ours)}
+    med = {kind: statistics.median(v) for kind, v in times.items()}
+    return {"bytes": nbytes, **{f"{kind}_runs_s": v for kind, v in times.items()},
+            **{f"{kind}_s": m for kind, m in med.items()}, **{f"{kind}_mbps": nbytes / m / 1e6 for kind, m in med.items()},
+            "ratio": med["s3fs_put"] / med["fsdpkit"], "dcp_s3file_ratio": med["s3fs_put"] / med["dcp_s3file"]}
 
 
 def bench_async_stall(target, bucket: str, work: Path, runs: int) -> dict:
@@ -175,6 +185,8 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|",
         f"| upload MB/s (save until committed vs s3fs put of the same files) | {upload['fsdpkit_mbps']:.1f} | "
         f"s3fs put {upload['s3fs_put_mbps']:.1f} | {upload['ratio']:.2f} | >= 0.8 | {met(upload['ratio'] >= 0.8)} |",
+        f"| upload MB/s through DCP's own S3 stream (s3fs S3File, no overlap: before fsdpkit's stream) | "
+        f"{upload['dcp_s3file_mbps']:.1f} | s3fs put {upload['s3fs_put_mbps']:.1f} | {upload['dcp_s3file_ratio']:.2f} | | |",
         f"| async stall s (S3 target vs local target) | {stall['s3_stall_s']:.3f} | local {stall['local_stall_s']:.3f} | "
         f"{stall['ratio']:.2f} | <= 1.2 | {met(stall['ratio'] <= 1.2)} |",
         f"| export peak RSS MiB (from S3 vs from a local copy) | {export['s3']['peak_rss_mib']:.0f} | "
