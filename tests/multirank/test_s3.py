@@ -250,3 +250,24 @@ def test_overlapped_upload_writes_parts_small_files_and_aborts_cleanly(s3):
     assert not boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads")
     with pytest.raises(ValueError, match="FSDPKIT_REMOTE_PART_BYTES must be >= 5242880"):
         OverlappedUpload(fs, f"{bucket}/x", part_bytes=1 << 20)
+
+
+def test_export_on_finish_to_a_bucket_equals_the_local_export(runs, tmp_path):
+    """export.dir=s3://...: the trainer's end-of-run export (preflight probe and destination check
+    included) writes the objects the same export writes to local disk."""
+    from fsdpkit.config import compose_config
+    from fsdpkit.train.preflight import check_directories
+    from fsdpkit.train.run import export_final
+
+    _, _, bucket, fs = runs
+    fs.get(f"{bucket}/sync/checkpoints", str(tmp_path / "checkpoints"), recursive=True)
+    base = [f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'checkpoints'}", "export.on_finish=true"]
+    local, remote = tmp_path / "export", f"{bucket}/final"
+    for out in (str(local), f"s3://{remote}"):
+        cfg = compose_config([*base, f"export.dir={out}"])
+        check_directories(cfg)
+        assert export_final(cfg)["out"] == out
+    files = sorted(p.name for p in local.iterdir())
+    assert "config.json" in files and sorted(p.rsplit("/", 1)[-1] for p in fs.find(remote)) == files
+    for name in files:
+        assert fs.cat_file(f"{remote}/{name}") == (local / name).read_bytes(), name
