@@ -5,7 +5,8 @@ Phases, run in this order by test_s3.py (run directories are local, checkpoints 
   ws2:   an uninterrupted reference run (local checkpoints); the same run saved to s3:// and resumed
          twice (sync saves, retention keep_last=1), and once with async saves; the 2-rank source
          run (s3://BUCKET/src, stopped and dumped at step 4); checkpoint.local_dir: async saves with a
-         local copy, restarted twice (the copy read, then a copy whose manifest changed skipped)
+         local copy, restarted three times (the copy read; a copy whose manifest changed skipped; a
+         copy with a corrupt shard moved aside and the bucket read)
   kill:  resumes s3://BUCKET/src from step 4 and saves step 8 with rank 1 SIGKILLed mid-upload
          (FSDPKIT_TEST_KILL_DURING_SAVE=8:1 set by the test): this launch fails
   ws3:   model.init_from=hf: the source's step 4 exported as a Hugging Face folder, from local disk and
@@ -66,6 +67,14 @@ def phase_mirror(work: Path, s3: str) -> list[dict]:
     dist.barrier()
     parts.append(session(work / "mirror_run", [*settings, "checkpoint.save_at_end=true"]))
     parts[2]["mirror_after"] = listing(work / "mirror")
+    if dist.is_main():  # one byte of a shard changed, same size: only the checksums can tell
+        shard = sorted((work / "mirror" / "step_8").glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    parts.append(session(work / "mirror_run", settings))  # at max_steps already: the resume only
+    parts[3]["mirror_after"] = listing(work / "mirror")
     return parts
 
 

@@ -208,10 +208,11 @@ def test_init_from_a_hugging_face_folder_in_the_bucket_equals_the_local_folder(r
 
 def test_local_dir_mirror_serves_the_restart_until_its_manifest_differs(runs):
     """checkpoint.local_dir: the resume event names the local copy and the remote checkpoint it
-    mirrors; a copy whose manifest differs from the remote one by one byte is not read; retention
-    of the bucket reaches the copy; the resumed run's losses equal an uninterrupted run's, bit for bit."""
+    mirrors; a copy whose manifest differs from the remote one by one byte is not read, nor one
+    whose shard is corrupt; retention of the bucket reaches the copy; the resumed run's losses
+    equal an uninterrupted run's, bit for bit."""
     res, work, bucket, fs = runs
-    first, second, third = res["mirror"]
+    first, second, third, fourth = res["mirror"]
     remote, local = f"s3://{bucket}/mirror/checkpoints", work / "mirror"
     assert first["resume_event"] is None
     assert list(first["mirror_after"]) == ["step_3"]
@@ -222,8 +223,14 @@ def test_local_dir_mirror_serves_the_restart_until_its_manifest_differs(runs):
     assert [x for p in res["mirror"] for x in p["losses"]] == res["full"]["losses"]
     manifest = json.loads(fs.cat_file(f"{bucket}/mirror/checkpoints/step_8/manifest.json"))
     assert third["mirror_after"] == {"step_8": sorted([*manifest["files"], "manifest.json"])}
-    for name in [*manifest["files"], "manifest.json"]:  # the copy holds the bucket's bytes
-        assert (local / "step_8" / name).read_bytes() == fs.cat_file(f"{bucket}/mirror/checkpoints/step_8/{name}"), name
+    # a shard of the copy corrupted (same size): the load's checksums catch it, the bucket is read
+    assert fourth["resume_event"] == {"step": 8, "path": f"{remote}/step_8", "mirror_of": None}
+    aside = [n for n in fourth["mirror_after"] if n.startswith("step_8.corrupt")]  # moved aside, not deleted
+    assert len(aside) == 1 and "step_8" not in fourth["mirror_after"]
+    corrupted = sorted(f for f in manifest["files"] if f.endswith(".distcp"))[0]
+    for name in [*manifest["files"], "manifest.json"]:  # else the copy holds the bucket's bytes
+        mine, theirs = (local / aside[0] / name).read_bytes(), fs.cat_file(f"{bucket}/mirror/checkpoints/step_8/{name}")
+        assert (sum(a != b for a, b in zip(mine, theirs, strict=True)) == 1) if name == corrupted else mine == theirs, name
 
 
 def test_overlapped_upload_writes_parts_small_files_and_aborts_cleanly(s3):
