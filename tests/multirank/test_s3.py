@@ -146,6 +146,10 @@ def test_ckpt_tools_read_s3_and_export_equals_the_local_export(runs, tmp_path, c
     assert main(["ckpt", "export", source, f"{source}/step_8/out"]) == 2
     assert "it overlaps the source" in capsys.readouterr().err
     assert fs.cat_file(f"{bucket}/exports/notes/readme.txt") == b"mine"
+    single = ["--format", "single", "--dtype", "fp32"]  # one object, complete when it appears
+    assert main(["ckpt", "export", source, str(tmp_path / "one.safetensors"), *single]) == 0
+    assert main(["ckpt", "export", source, f"s3://{bucket}/exports/one.safetensors", *single]) == 0
+    assert fs.cat_file(f"{bucket}/exports/one.safetensors") == (tmp_path / "one.safetensors").read_bytes()
 
 
 def test_verify_names_a_corrupt_object_and_a_missing_shard(runs, capsys):
