@@ -89,7 +89,7 @@ class OverlappedUpload(io.RawIOBase):
                              "FSDPKIT_REMOTE_PART_BYTES or checkpoint.thread_count (more, smaller files)")
         while len(self._pending) >= self._in_flight:
             self._collect_oldest()
-        body, self._buf = bytes(self._buf), bytearray()
+        body, self._buf = self._buf, bytearray()  # handed over, not copied: the next part gets a new buffer
         coro = self._fs._call_s3("upload_part", Bucket=self._bucket, Key=self._key, UploadId=self._upload_id,
                                  PartNumber=number, Body=body)
         self._pending.append((number, asyncio.run_coroutine_threadsafe(coro, self._fs.loop)))
@@ -102,7 +102,7 @@ class OverlappedUpload(io.RawIOBase):
         """Make the object visible: one PUT for a small file, else the last part, every part
         finished, and the multipart upload completed."""
         if self._upload_id is None:
-            self._call("put_object", Body=bytes(self._buf))
+            self._call("put_object", Body=self._buf)
         else:
             if self._buf:
                 self._send_part()
