@@ -3,7 +3,9 @@ process so that it does not share this process's interpreter lock), side by side
 
 1. upload: fsdpkit `save_checkpoint` to s3:// (time until committed: shards streamed and hashed,
    manifest and `latest` PUT) versus a plain s3fs `put` of the same bytes (the files that save
-   wrote, from local disk). Ratio = fsdpkit throughput / s3fs throughput (target >= 0.8).
+   wrote, from local disk), and the save through DCP's own S3 stream (what fsdpkit's overlapped
+   multipart stream replaces), in rounds rotating which goes first. Ratio = fsdpkit throughput /
+   s3fs throughput (target >= 0.8).
 2. async stall: `AsyncSaver.save` with an s3:// target versus a local target: the time until the
    call returns (the loop's stall; the upload runs in the background), 2 x --runs saves each,
    alternating which target goes first. Ratio S3 / local (target <= 1.2).
@@ -14,7 +16,9 @@ One process, no process group (world of one); state = fp32 Linear layers + AdamW
 about --size-mib. Medians of --runs runs. A loopback server in Python is slow: the absolute
 figures say little about a real store, the ratios compare like with like on the same server.
 
-Usage: python bench/s3.py [--size-mib 256] [--runs 5] [--json bench/results/s3.json]
+Usage: python bench/s3.py [--size-mib 256] [--runs 5] [--json bench/results/s3.json] [--upload-only]
+(--upload-only: measure 1. alone and print it, e.g. for an A/B of upload settings such as
+FSDPKIT_REMOTE_PART_BYTES / FSDPKIT_REMOTE_PARTS_IN_FLIGHT)
 """
 
 from __future__ import annotations
@@ -81,28 +85,43 @@ def meta_for(target) -> dict:
 
 
 def bench_upload(target, fs, bucket: str, work: Path, runs: int) -> dict:
+    """A warm-up save whose files, fetched to local disk, are what the plain put uploads; then
+    `runs` rounds of a save, a save through DCP's own S3 stream (s3fs's `S3File`, parts uploaded
+    one after another: what fsdpkit's overlapped stream replaces) and a put, each round starting
+    with the next one of the three (the server's state after the others' requests is no bias)."""
+    from fsdpkit.checkpoint import safe_fsspec
     from fsdpkit.checkpoint.save import save_checkpoint
     from fsdpkit.checkpoint.storage import open_storage
 
     root, meta = open_storage(f"s3://{bucket}/upload"), meta_for(target)
-    ours, plain = [], []
-    for i in range(runs):
-        t0 = time.perf_counter()
-        manifest = save_checkpoint(target, ckpt_dir=root / f"step_{i}", step=i, meta=meta, group=None)
-        ours.append(time.perf_counter() - t0)
-        local = work / f"plain_{i}"
-        fs.get(f"{bucket}/upload/step_{i}", str(local), recursive=True)
-        t0 = time.perf_counter()
-        for name in manifest["files"]:
-            fs.put_file(str(local / name), f"{bucket}/plain/step_{i}/{name}")
-        plain.append(time.perf_counter() - t0)
-        fs.rm(f"{bucket}/plain/step_{i}", recursive=True)
-        if i < runs - 1:
-            fs.rm(f"{bucket}/upload/step_{i}", recursive=True)
+    manifest = save_checkpoint(target, ckpt_dir=root / "step_0", step=0, meta=meta, group=None)
+    local = work / "plain"
+    fs.get(f"{bucket}/upload/step_0", str(local), recursive=True)
+    times: dict[str, list[float]] = {"fsdpkit": [], "dcp_s3file": [], "s3fs_put": []}
+    kinds, overlapped = list(times), safe_fsspec.is_s3
+    for i in range(1, runs + 1):
+        for kind in kinds[i % 3:] + kinds[:i % 3]:
+            t0 = time.perf_counter()
+            if kind == "s3fs_put":
+                for name in manifest["files"]:
+                    fs.put_file(str(local / name), f"{bucket}/plain/step_{i}/{name}")
+                times[kind].append(time.perf_counter() - t0)
+                fs.rm(f"{bucket}/plain/step_{i}", recursive=True)
+                continue
+            safe_fsspec.is_s3 = overlapped if kind == "fsdpkit" else (lambda _fs: False)
+            try:
+                save_checkpoint(target, ckpt_dir=root / f"{kind}_{i}", step=i, meta=meta, group=None)
+            finally:
+                safe_fsspec.is_s3 = overlapped
+            times[kind].append(time.perf_counter() - t0)
+            fs.rm(f"{bucket}/upload/{kind}_{i}", recursive=True)  # the server keeps objects in memory
+    fs.rm(f"{bucket}/upload", recursive=True)
+    save_checkpoint(target, ckpt_dir=root / "step_1", step=1, meta=meta, group=None)  # what the export bench reads
     nbytes = sum(info["size"] for info in manifest["files"].values())
-    return {"bytes": nbytes, "fsdpkit_s": statistics.median(ours), "s3fs_put_s": statistics.median(plain),
-            "fsdpkit_mbps": nbytes / statistics.median(ours) / 1e6, "s3fs_put_mbps": nbytes / statistics.median(plain) / 1e6,
-            "ratio": statistics.median(plain) / statistics.median(ours)}
+    med = {kind: statistics.median(v) for kind, v in times.items()}
+    return {"bytes": nbytes, **{f"{kind}_runs_s": v for kind, v in times.items()},
+            **{f"{kind}_s": m for kind, m in med.items()}, **{f"{kind}_mbps": nbytes / m / 1e6 for kind, m in med.items()},
+            "ratio": med["s3fs_put"] / med["fsdpkit"], "dcp_s3file_ratio": med["s3fs_put"] / med["dcp_s3file"]}
 
 
 def bench_async_stall(target, bucket: str, work: Path, runs: int) -> dict:
@@ -166,6 +185,8 @@ def markdown(report: dict) -> str:
         "|---|---|---|---|---|---|",
         f"| upload MB/s (save until committed vs s3fs put of the same files) | {upload['fsdpkit_mbps']:.1f} | "
         f"s3fs put {upload['s3fs_put_mbps']:.1f} | {upload['ratio']:.2f} | >= 0.8 | {met(upload['ratio'] >= 0.8)} |",
+        f"| upload MB/s through DCP's own S3 stream (s3fs S3File, no overlap: before fsdpkit's stream) | "
+        f"{upload['dcp_s3file_mbps']:.1f} | s3fs put {upload['s3fs_put_mbps']:.1f} | {upload['dcp_s3file_ratio']:.2f} | | |",
         f"| async stall s (S3 target vs local target) | {stall['s3_stall_s']:.3f} | local {stall['local_stall_s']:.3f} | "
         f"{stall['ratio']:.2f} | <= 1.2 | {met(stall['ratio'] <= 1.2)} |",
         f"| export peak RSS MiB (from S3 vs from a local copy) | {export['s3']['peak_rss_mib']:.0f} | "
@@ -180,6 +201,8 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=256, help="model + optimizer state, fp32 (default 256)")
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--json", default=str(RESULTS))
+    parser.add_argument("--upload-only", action="store_true",
+                        help="measure the upload only (no async stall, no export); prints its JSON")
     args = parser.parse_args()
     server, _ = start_server()
     try:
@@ -194,6 +217,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory(dir=Path(__file__).parent) as tmp:
             work = Path(tmp)
             upload = bench_upload(target, fs, bucket, work, args.runs)
+            if args.upload_only:
+                print(json.dumps(upload, indent=1))
+                return
             stall = bench_async_stall(target, bucket, work, args.runs)
             export = bench_export(fs, bucket, work, args.runs, model_bytes)
     finally:

@@ -62,6 +62,7 @@ def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, 
         dump_full_state(trainer, dump_final_to)
     trainer.metrics.close()
     out = {"resumed_from": str(path) if path else None, "start": start, "mesh": list(plan.mesh.shape),
+           "resume_event": {k: report.get(k) for k in ("step", "path", "mirror_of")} if report else None,
            "notes": report["notes"] if report else [], "verify_s": report["verify_s"] if report else None}
     if dist.is_main():
         recs = read_records(run_dir)

@@ -4,7 +4,9 @@ Usage: s3_worker.py PHASE OUT.json WORK_DIR BUCKET   (AWS_ENDPOINT_URL etc. in t
 Phases, run in this order by test_s3.py (run directories are local, checkpoints go to the bucket):
   ws2:   an uninterrupted reference run (local checkpoints); the same run saved to s3:// and resumed
          twice (sync saves, retention keep_last=1), and once with async saves; the 2-rank source
-         run (s3://BUCKET/src, stopped and dumped at step 4)
+         run (s3://BUCKET/src, stopped and dumped at step 4); checkpoint.local_dir: async saves with a
+         local copy, restarted three times (the copy read; a copy whose manifest changed skipped; a
+         copy with a corrupt shard moved aside and the bucket read)
   kill:  resumes s3://BUCKET/src from step 4 and saves step 8 with rank 1 SIGKILLed mid-upload
          (FSDPKIT_TEST_KILL_DURING_SAVE=8:1 set by the test): this launch fails
   ws3:   model.init_from=hf: the source's step 4 exported as a Hugging Face folder, from local disk and
@@ -46,7 +48,38 @@ def phase_ws2(work: Path, s3: str) -> dict:
     res["async"] = [session(work / "async", [*run_async, "checkpoint.every_steps=3"], stop_at=6),
                     session(work / "async", [*run_async, "checkpoint.save_at_end=true"])]
     res["src"] = session(work / "src", SRC, stop_at=4, dump_final_to=work / "saved_src.pt")
+    res["mirror"] = phase_mirror(work, s3)
     return res
+
+
+def phase_mirror(work: Path, s3: str) -> list[dict]:
+    """checkpoint.local_dir: async saves to the bucket with a local copy (keep_last=1 on both);
+    the first restart reads the copy, the second finds the copy's manifest changed and reads the bucket."""
+    settings = [f"checkpoint.dir={s3}/mirror/checkpoints", f"checkpoint.local_dir={work / 'mirror'}",
+                "checkpoint.keep_last=1", "checkpoint.async_save=true"]
+    parts = [session(work / "mirror_run", [*settings, "checkpoint.every_steps=3"], stop_at=3)]
+    parts[0]["mirror_after"] = listing(work / "mirror")
+    parts.append(session(work / "mirror_run", [*settings, "checkpoint.every_steps=3"], stop_at=6))
+    parts[1]["mirror_after"] = listing(work / "mirror")
+    if dist.is_main():  # the same JSON with one more space: no longer byte for byte the remote manifest
+        manifest = work / "mirror" / "step_6" / "manifest.json"
+        manifest.write_text(manifest.read_text() + " ")
+    dist.barrier()
+    parts.append(session(work / "mirror_run", [*settings, "checkpoint.save_at_end=true"]))
+    parts[2]["mirror_after"] = listing(work / "mirror")
+    if dist.is_main():  # one byte of a shard changed, same size: only the checksums can tell
+        shard = sorted((work / "mirror" / "step_8").glob("*.distcp"))[0]
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    parts.append(session(work / "mirror_run", settings))  # at max_steps already: the resume only
+    parts[3]["mirror_after"] = listing(work / "mirror")
+    return parts
+
+
+def listing(local: Path) -> dict[str, list[str]]:
+    return {d.name: sorted(f.name for f in d.iterdir()) for d in sorted(local.iterdir()) if d.is_dir()}
 
 
 def main() -> None:

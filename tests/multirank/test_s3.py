@@ -129,6 +129,27 @@ def test_ckpt_tools_read_s3_and_export_equals_the_local_export(runs, tmp_path, c
     assert "model.safetensors" in files and sorted(p.name for p in (tmp_path / "from_s3").iterdir()) == files
     for name in files:
         assert (tmp_path / "from_s3" / name).read_bytes() == (tmp_path / "from_local" / name).read_bytes(), name
+    # to the bucket: the same bytes as the local export, refused over an existing output without --overwrite
+    out = f"{bucket}/exports/hf"
+    assert main(["ckpt", "export", str(tmp_path / "checkpoints"), f"s3://{out}"]) == 0
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.find(out)) == files
+    for name in files:
+        assert fs.cat_file(f"{out}/{name}") == (tmp_path / "from_local" / name).read_bytes(), name
+    capsys.readouterr()
+    assert main(["ckpt", "export", source, f"s3://{out}"]) == 2
+    assert f"s3://{out} already exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["ckpt", "export", source, f"s3://{out}", "--overwrite"]) == 0
+    assert fs.cat_file(f"{out}/model.safetensors") == (tmp_path / "from_local" / "model.safetensors").read_bytes()
+    fs.pipe_file(f"{bucket}/exports/notes/readme.txt", b"mine")
+    assert main(["ckpt", "export", source, f"s3://{bucket}/exports/notes", "--overwrite"]) == 2
+    assert "it holds readme.txt, which an export does not write" in capsys.readouterr().err
+    assert main(["ckpt", "export", source, f"{source}/step_8/out"]) == 2
+    assert "it overlaps the source" in capsys.readouterr().err
+    assert fs.cat_file(f"{bucket}/exports/notes/readme.txt") == b"mine"
+    single = ["--format", "single", "--dtype", "fp32"]  # one object, complete when it appears
+    assert main(["ckpt", "export", source, str(tmp_path / "one.safetensors"), *single]) == 0
+    assert main(["ckpt", "export", source, f"s3://{bucket}/exports/one.safetensors", *single]) == 0
+    assert fs.cat_file(f"{bucket}/exports/one.safetensors") == (tmp_path / "one.safetensors").read_bytes()
 
 
 def test_verify_names_a_corrupt_object_and_a_missing_shard(runs, capsys):
@@ -187,3 +208,77 @@ def test_init_from_a_hugging_face_folder_in_the_bucket_equals_the_local_folder(r
     saved = torch.load(work / "saved_src.pt")  # what the folder was exported from (fp32: exact)
     for key in weights:
         assert torch.equal(saved[key], remote[key]), key
+
+
+def test_local_dir_mirror_serves_the_restart_until_its_manifest_differs(runs):
+    """checkpoint.local_dir: the resume event names the local copy and the remote checkpoint it
+    mirrors; a copy whose manifest differs from the remote one by one byte is not read, nor one
+    whose shard is corrupt; retention of the bucket reaches the copy; the resumed run's losses
+    equal an uninterrupted run's, bit for bit."""
+    res, work, bucket, fs = runs
+    first, second, third, fourth = res["mirror"]
+    remote, local = f"s3://{bucket}/mirror/checkpoints", work / "mirror"
+    assert first["resume_event"] is None
+    assert list(first["mirror_after"]) == ["step_3"]
+    assert second["resume_event"] == {"step": 3, "path": str(local / "step_3"), "mirror_of": f"{remote}/step_3"}
+    assert second["resumed_from"] == str(local / "step_3") and second["start"] == 3
+    assert list(second["mirror_after"]) == ["step_6"]  # step_3 went with the bucket's keep_last=1
+    assert third["resume_event"] == {"step": 6, "path": f"{remote}/step_6", "mirror_of": None}  # changed copy: bucket
+    assert [x for p in res["mirror"] for x in p["losses"]] == res["full"]["losses"]
+    manifest = json.loads(fs.cat_file(f"{bucket}/mirror/checkpoints/step_8/manifest.json"))
+    assert third["mirror_after"] == {"step_8": sorted([*manifest["files"], "manifest.json"])}
+    # a shard of the copy corrupted (same size): the load's checksums catch it, the bucket is read
+    assert fourth["resume_event"] == {"step": 8, "path": f"{remote}/step_8", "mirror_of": None}
+    aside = [n for n in fourth["mirror_after"] if n.startswith("step_8.corrupt")]  # moved aside, not deleted
+    assert len(aside) == 1 and "step_8" not in fourth["mirror_after"]
+    corrupted = sorted(f for f in manifest["files"] if f.endswith(".distcp"))[0]
+    for name in [*manifest["files"], "manifest.json"]:  # else the copy holds the bucket's bytes
+        mine, theirs = (local / aside[0] / name).read_bytes(), fs.cat_file(f"{bucket}/mirror/checkpoints/step_8/{name}")
+        assert (sum(a != b for a, b in zip(mine, theirs, strict=True)) == 1) if name == corrupted else mine == theirs, name
+
+
+def test_overlapped_upload_writes_parts_small_files_and_aborts_cleanly(s3):
+    """multipart.py on the S3 server: a file of several parts written in odd-sized pieces, a file
+    smaller than a part (one PUT), and an aborted upload that leaves no object and no upload behind."""
+    import boto3
+    import s3fs
+
+    from fsdpkit.checkpoint.multipart import OverlappedUpload
+
+    bucket, fs = s3.new_bucket(), s3fs.S3FileSystem(use_listings_cache=False)
+    data = os.urandom((11 << 20) + 12345)
+    for size in (1000, len(data)):
+        upload = OverlappedUpload(fs, f"{bucket}/f{size}", part_bytes=5 << 20, in_flight=2)
+        for start in range(0, size, 777_777):
+            upload.write(data[start:min(size, start + 777_777)])
+        assert upload.tell() == size and not fs.exists(f"{bucket}/f{size}")  # nothing visible before commit
+        upload.commit()
+        assert fs.cat_file(f"{bucket}/f{size}") == data[:size]
+    upload = OverlappedUpload(fs, f"{bucket}/aborted", part_bytes=5 << 20, in_flight=2)
+    upload.write(data)
+    upload.abort()
+    assert not fs.exists(f"{bucket}/aborted")
+    assert not boto3.client("s3").list_multipart_uploads(Bucket=bucket).get("Uploads")
+    with pytest.raises(ValueError, match="FSDPKIT_REMOTE_PART_BYTES must be >= 5242880"):
+        OverlappedUpload(fs, f"{bucket}/x", part_bytes=1 << 20)
+
+
+def test_export_on_finish_to_a_bucket_equals_the_local_export(runs, tmp_path):
+    """export.dir=s3://...: the trainer's end-of-run export (preflight probe and destination check
+    included) writes the objects the same export writes to local disk."""
+    from fsdpkit.config import compose_config
+    from fsdpkit.train.preflight import check_directories
+    from fsdpkit.train.run import export_final
+
+    _, _, bucket, fs = runs
+    fs.get(f"{bucket}/sync/checkpoints", str(tmp_path / "checkpoints"), recursive=True)
+    base = [f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={tmp_path / 'checkpoints'}", "export.on_finish=true"]
+    local, remote = tmp_path / "export", f"{bucket}/final"
+    for out in (str(local), f"s3://{remote}"):
+        cfg = compose_config([*base, f"export.dir={out}"])
+        check_directories(cfg)
+        assert export_final(cfg)["out"] == out
+    files = sorted(p.name for p in local.iterdir())
+    assert "config.json" in files and sorted(p.rsplit("/", 1)[-1] for p in fs.find(remote)) == files
+    for name in files:
+        assert fs.cat_file(f"{remote}/{name}") == (local / name).read_bytes(), name

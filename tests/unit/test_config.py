@@ -114,11 +114,14 @@ def test_async_alias_and_cross_checks():
         compose_config(["export.on_finish=true", "checkpoint.save_at_end=false"])
 
 
-@pytest.mark.parametrize("override", ["export.dir=az://c/out", "run_dir=file:///x"])
+@pytest.mark.parametrize("override", ["run_dir=s3://c/run", "run_dir=file:///x"])
 def test_urls_are_refused_where_only_local_paths_work(override):
     key = override.split("=", 1)[0]
     with pytest.raises(ValueError, match=rf"{key}='.*' is a \w+:// URL; {key} takes a local or mounted path only"):
         compose_config([override])
+    assert compose_config(["export.dir=s3://c/out"]).export.dir == "s3://c/out"  # exported, then uploaded
+    with pytest.raises(ValueError, match=r"export.dir='nosuch://c/out': fsspec knows no nosuch:// scheme"):
+        compose_config(["export.dir=nosuch://c/out"])
 
 
 def test_checkpoint_urls_need_a_driver_and_sharded_checkpoints():
@@ -142,7 +145,7 @@ def test_checkpoint_urls_need_a_driver_and_sharded_checkpoints():
 def test_ckpt_commands_refuse_urls(capsys):
     from fsdpkit.cli.main import main
 
-    assert main(["ckpt", "export", "runs/x/checkpoints", "s3://bucket/out"]) == 2  # outputs are local
-    assert "OUT='s3://bucket/out' is a s3:// URL; OUT takes a local or mounted path only" in capsys.readouterr().err
+    assert main(["ckpt", "export", "runs/x/checkpoints", "nosuch://bucket/out"]) == 2
+    assert "OUT='nosuch://bucket/out': fsspec knows no nosuch:// scheme" in capsys.readouterr().err
     assert main(["ckpt", "verify", "nosuch://bucket/run/checkpoints/step_4"]) == 2
     assert "fsspec knows no nosuch:// scheme" in capsys.readouterr().err

@@ -22,12 +22,14 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
 from torch import nn
 
+from fsdpkit.checkpoint import mirror
 from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, CkptPath, step_dir_name
@@ -85,6 +87,7 @@ class Found:
     path: CkptPath | None
     lock: DirectoryLock | ObjectLock | None
     verify_while_loading: bool = False  # its file checksums are still to check, from the load's own read
+    mirror_of: CkptPath | None = None  # `path` is checkpoint.local_dir's copy of this remote checkpoint
 
 
 def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Found:
@@ -92,11 +95,13 @@ def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) 
     checkpoint; with `verify_checksums` its file checksums are checked while `Checkpointer.resume`
     loads it, from the same read, see verified_read.py; on object storage, which has no verifying
     reader, resolution streams them first). A loop that wants to know before building its model
-    whether it will resume (to skip random init) calls this, then `Checkpointer.resume(found)`."""
+    whether it will resume (to skip random init) calls this, then `Checkpointer.resume(found)`.
+    With `local_dir`, the local copy of the resolved checkpoint replaces it when it matches (mirror.py)."""
     held: list[DirectoryLock | ObjectLock] = []
     configure(cfg.storage_options)
     root = as_path(cfg.dir)
     remote = is_url(cfg.dir) or is_url(cfg.resume)
+    _configure_mirror(cfg, root)
 
     def acquire() -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -105,13 +110,36 @@ def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) 
     on_main(acquire, group=group, errors=(CheckpointError, OSError))
     lock = held[0] if held else None
     try:
+        # with a mirror, the remote copy's checksums are streamed only when the mirror is not used
         path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group,
-                                  verify_checksums=cfg.verify_checksums and remote)
+                                  verify_checksums=cfg.verify_checksums and remote and not cfg.local_dir)
+        local = _agreed_mirror(path, group=group) if cfg.local_dir and path is not None else None
+        if local is not None:
+            return Found(path=local, lock=lock, verify_while_loading=cfg.verify_checksums, mirror_of=path)
+        if cfg.local_dir and cfg.verify_checksums and path is not None:
+            path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group, verify_checksums=True)
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     return Found(path=path, lock=lock, verify_while_loading=cfg.verify_checksums and path is not None and not remote)
+
+
+def _configure_mirror(cfg: CheckpointConfig, root: CkptPath) -> None:
+    mirror.check_single_node(cfg.local_dir)
+    mirror.configure(cfg.local_dir, root=root)
+
+
+def _agreed_mirror(remote: CkptPath, *, group: tdist.ProcessGroup | None) -> Path | None:
+    """Collective: the local copy of `remote` every rank reads instead (rank 0 decides: the mirror
+    is one node's, every rank sees the same directory), or None."""
+    def decide() -> str | None:
+        local, why = mirror.usable_mirror(remote)
+        log.info("checkpoint.local_dir: %s %s (%s)", "reading" if local else "not reading", local or "the local copy", why)
+        return None if local is None else str(local)
+
+    chosen = on_main(decide, group=group, errors=(OSError,))
+    return None if chosen is None else Path(chosen)
 
 
 class Checkpointer:
@@ -150,6 +178,7 @@ class Checkpointer:
         self.cfg = CheckpointConfig(dir=str(dir), **settings)
         validate_checkpoint(self.cfg, state_dict_type=state_dict_type)
         configure(self.cfg.storage_options)
+        _configure_mirror(self.cfg, as_path(self.cfg.dir))
         stateful = {"scheduler": as_stateful(scheduler, name="scheduler")} if scheduler is not None else {}
         for name, obj in (state or {}).items():
             if name in stateful:
@@ -180,6 +209,7 @@ class Checkpointer:
         self._last_step: int | None = None
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
+        self._mirror_of: tuple[CkptPath, CkptPath] | None = None  # (local copy, remote checkpoint) resumed from
         self._async = AsyncSaver(group=self.groups.background, thread_count=c.thread_count) if c.async_save else None
 
     @classmethod
@@ -213,6 +243,7 @@ class Checkpointer:
         """
         found = found or find_checkpoint(self.cfg, group=self.group)
         self.lock = found.lock
+        self._mirror_of = (found.path, found.mirror_of) if found.mirror_of is not None else None
         try:
             path = found.path
             manifest = read_manifest(path) if path is not None else None
@@ -289,6 +320,8 @@ class Checkpointer:
         self.resumed = {"event": "resume", "step": manifest["step"], "path": str(path), "load_s": report["load_s"],
                         "verify_s": report["verify_s"], "saved_world_size": manifest["world_size"],
                         "mode": self.cfg.resume_mode, "notes": report["notes"]}
+        if self._mirror_of is not None and self._mirror_of[0] == path:  # read from checkpoint.local_dir
+            self.resumed["mirror_of"] = str(self._mirror_of[1])
         self.on_event(self.resumed)
         return report
 
@@ -442,6 +475,11 @@ class Checkpointer:
             apply_retention(self.root, self.retention, run_id=self.run_id, just_committed=committed)
         except Exception as e:  # noqa: BLE001 - a failed deletion must not fail the save that just committed
             log.warning("retention: could not delete an old checkpoint: %s", e)
+        try:
+            mirror.publish(committed)
+        except Exception as e:  # noqa: BLE001 - the remote copy is committed: the mirror is only a cache
+            log.warning("checkpoint.local_dir: could not update the local copy of %s (a restart reads the "
+                        "bucket): %s", committed, e)
 
     def _raise_background_failure(self) -> None:
         assert self._async is not None

@@ -4,9 +4,17 @@ Imported only for URLs: it needs fsspec (the `remote` extra)."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DcpFsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from fsdpkit.checkpoint.hashing import HashingFileSystem
+from fsdpkit.checkpoint.mirror import TeeStream, start_writing
+from fsdpkit.checkpoint.multipart import OverlappedUpload, is_s3
 from fsdpkit.checkpoint.safe_io import SafeMetadataReading
 from fsdpkit.checkpoint.storage import RemotePath
 
@@ -23,12 +31,48 @@ def fsspec_reader(ckpt_dir: RemotePath) -> SafeFsspecReader:
     return reader
 
 
+class UploadingFileSystem(DcpFsspecFileSystem):
+    """DCP's fsspec filesystem whose S3 writes overlap their multipart parts (multipart.py) and,
+    with `checkpoint.local_dir`, leave a copy of every file in `mirror` (mirror.py). Reads and
+    other schemes' writes are DCP's."""
+
+    mirror: Path | None = None
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        local = (self.mirror / Path(str(path)).name).open("wb") if self.mirror is not None else nullcontext()
+        with local as copy:  # a partial copy left by an error is no checkpoint (mirror.py: no manifest)
+            if not is_s3(self.fs):
+                with super().create_stream(path, mode) as stream:
+                    yield stream if copy is None else TeeStream(stream, copy)
+                return
+            upload = OverlappedUpload(self.fs, str(path))
+            try:
+                yield upload if copy is None else TeeStream(upload, copy)
+                upload.commit()
+            except BaseException:
+                upload.abort()
+                raise
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)  # DCP's .metadata.tmp -> .metadata
+        if self.mirror is not None:
+            os.replace(self.mirror / Path(str(path)).name, self.mirror / Path(str(new_path)).name)
+
+
 def fsspec_writer(into: RemotePath, *, thread_count: int, die_mid_write: bool) -> tuple[FsspecWriter, HashingFileSystem]:
     """A DCP writer into `into` whose files are checksummed as they stream out. sync_files=False:
     an object is durable once its upload completes (on close); DCP would otherwise call os.sync()
-    for every file, since a network stream has no fileno to fsync."""
+    for every file, since a network stream has no fileno to fsync. S3 files upload several parts at
+    once (multipart.py), as `s3fs.put` does; with `checkpoint.local_dir` each file is also written
+    to the local mirror (mirror.py)."""
     writer = FsspecWriter(into.url, sync_files=False, thread_count=thread_count)
-    writer.fs.fs = into.fs
-    fs = HashingFileSystem(die_mid_write=die_mid_write, base=writer.fs)
+    uploads = UploadingFileSystem()
+    uploads.fs, uploads.mirror = into.fs, start_writing(into)
+    fs = HashingFileSystem(die_mid_write=die_mid_write, base=uploads)
     writer.fs = fs
     return writer, fs

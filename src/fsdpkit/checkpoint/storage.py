@@ -224,11 +224,12 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write `text` to the local `path` so that readers see the old content or the new, never a mix."""
+def atomic_write_text(path: Path, text: str | bytes) -> None:
+    """Write `text` (or bytes, as they are) to the local `path` so that readers see the old content
+    or the new, never a mix."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with tmp.open("w") as f:
+        with tmp.open("wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -239,11 +240,11 @@ def atomic_write_text(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def write_atomic(path: Path | RemotePath, text: str) -> None:
+def write_atomic(path: Path | RemotePath, text: str | bytes) -> None:
     """Replace `path`'s content so readers see the old content or the new, never a mix: locally
     tmp + fsync + rename + directory fsync, remotely one PUT."""
     if isinstance(path, RemotePath):
-        path.write_text(text)
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
     else:
         atomic_write_text(path, text)
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import argparse
 import json
 import warnings
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from fsdpkit.config.paths import check_url, refuse_url
+from fsdpkit.config.paths import check_url, is_url
 from fsdpkit.export.tunables import DEFAULT_MAX_SHARD_SIZE, VERIFY_THREADS
 
 CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp; also as an s3:// URL, credentials "
@@ -24,6 +26,12 @@ RNG and other state are ignored. The output appears atomically (written under a 
 then renamed). OUT may not be, contain or lie inside the checkpoint or its checkpoints root, nor be
 or contain the run directory (a new directory inside the run, such as RUN/export, is fine). Every
 DCP file is first checked to hold every byte range its metadata lists.
+
+OUT may be a URL (s3://bucket/out; endpoint and credentials from the AWS_* environment): the
+export is written to a temporary local directory (TMPDIR: needs the export's size in free disk),
+then uploaded, the weight files first and the index and config.json last, each object complete
+when it appears. --overwrite replaces only an earlier fsdpkit export there (deleted first,
+config.json first); OUT may not lie in or contain the source's prefix.
 
 --format hf (default): OUT is a directory with model.safetensors, or model-0000X-of-0000N
 .safetensors shards and model.safetensors.index.json when the weights exceed --max-shard-size,
@@ -146,11 +154,11 @@ def _export_lora(args: argparse.Namespace) -> int:
     if args.fmt != "hf":
         raise ValueError("--adapter and --merge write folders: drop --format single")
     if args.adapter:
-        report = export_adapter(args.ckpt, args.out, dtype=args.dtype, base_model=args.base_model,
-                                overwrite=args.overwrite, verify=args.verify)
+        report = _into_out(args, lambda out: export_adapter(args.ckpt, out, dtype=args.dtype, base_model=args.base_model,
+                                                            overwrite=args.overwrite, verify=args.verify))
     else:
-        report = export_merged(args.ckpt, args.out, dtype=args.dtype, overwrite=args.overwrite, verify=args.verify,
-                               write_config=not args.no_config)
+        report = _into_out(args, lambda out: export_merged(args.ckpt, out, dtype=args.dtype, overwrite=args.overwrite,
+                                                           verify=args.verify, write_config=not args.no_config))
     if args.json:
         _print_json(report)
         return 0
@@ -158,6 +166,16 @@ def _export_lora(args: argparse.Namespace) -> int:
     print(f"exported {report['num_tensors']} {what} from {report['source']} (step {report['step']}) to {report['out']} "
           f"in {report['seconds']:.2f} s: {', '.join(report['files'])}")
     return 0
+
+
+def _into_out(args: argparse.Namespace, export: Callable[[str | Path], dict[str, Any]]) -> dict[str, Any]:
+    """`export(OUT)`; a URL OUT is exported to a temporary local directory first, then uploaded with
+    the files that make it loadable last (export/remote_destination.py)."""
+    if not is_url(args.out):
+        return export(args.out)
+    from fsdpkit.export.remote_destination import export_to_url
+
+    return export_to_url(args.out, export, fmt=args.fmt, overwrite=args.overwrite, source=args.ckpt)
 
 
 def _export(args: argparse.Namespace) -> int:
@@ -176,10 +194,10 @@ def _export(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         if not args.verbose:  # dcp.load's notes on a process-group-less load are torch's business, not the user's
             warnings.simplefilter("ignore")
-        report = export_checkpoint(args.ckpt, args.out, dtype=args.dtype, max_shard_size=args.max_shard_size,
-                                   fmt=args.fmt, namespace=args.namespace, strip_prefixes=args.strip_prefix,
-                                   add_prefix=args.add_prefix, reader=args.reader, overwrite=args.overwrite,
-                                   write_config=not args.no_config, config=args.config, verify=args.verify)
+        report = _into_out(args, lambda out: export_checkpoint(
+            args.ckpt, out, dtype=args.dtype, max_shard_size=args.max_shard_size, fmt=args.fmt, namespace=args.namespace,
+            strip_prefixes=args.strip_prefix, add_prefix=args.add_prefix, reader=args.reader, overwrite=args.overwrite,
+            write_config=not args.no_config, config=args.config, verify=args.verify))
     if args.json:
         _print_json(report)
         return 0
@@ -246,11 +264,9 @@ def _diff(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the chosen `ckpt` subcommand; returns the exit code."""
-    # sources may be URLs (s3://...: read by ranged GETs, credentials and endpoint from the AWS_*
-    # environment); the export's output is written locally
-    for name in ("ckpt", "a", "b"):
+    # sources and the export's output may be URLs (s3://...: read by ranged GETs, written by
+    # multipart uploads; credentials and endpoint from the AWS_* environment)
+    for name in ("ckpt", "a", "b", "out"):
         if isinstance(getattr(args, name, None), str):
             check_url(getattr(args, name), setting=name.upper())
-    if isinstance(getattr(args, "out", None), str):
-        refuse_url(args.out, setting="OUT")
     return {"export": _export, "inspect": _inspect, "verify": _verify, "diff": _diff}[args.ckpt_command](args)

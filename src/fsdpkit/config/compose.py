@@ -184,8 +184,10 @@ def validate(cfg: Config) -> None:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
                          "`pip install tensorboard`, or set logging.tensorboard=false")
-    for setting, value in (("run_dir", cfg.run_dir), ("export.dir", cfg.export.dir)):
-        refuse_url(value, setting=setting)
+    refuse_url(cfg.run_dir, setting="run_dir")
+    check_url(cfg.export.dir, setting="export.dir")  # a URL: exported locally, then uploaded
+    local_dirs = {"run_dir": (cfg.run_dir, True)} | ({} if is_url(cfg.export.dir) else {"export.dir": (cfg.export.dir, False)})
+    _refuse_overlap("checkpoint.local_dir", cfg.checkpoint.local_dir, local_dirs)
     check_url(m.init_from.removeprefix("hf:"), setting="model.init_from")  # a folder, or a URL read by ranged GETs
     if cfg.export.on_finish and is_url(cfg.checkpoint.dir):
         raise ValueError(f"export.on_finish exports from checkpoint.dir, and {cfg.checkpoint.dir} is a URL, which the "
@@ -238,6 +240,20 @@ CREDENTIAL_KEYS = frozenset({"key", "secret", "token", "password", "aws_access_k
                              "aws_session_token", "account_key", "sas_token", "connection_string"})
 
 
+def _refuse_overlap(setting: str, value: str, others: dict[str, tuple[str, bool]]) -> None:
+    """ValueError when the local directory `value` is, contains or (unless the other's flag allows
+    it) lies inside one of `others` ({setting: (directory, may hold value)}): each directory keeps
+    what it holds apart, so that pruning the mirror or replacing an export never reaches the other."""
+    if not value:
+        return
+    mine = Path(value).resolve()
+    for name, (other, may_hold) in others.items():
+        theirs = Path(other).resolve()
+        if mine == theirs or mine in theirs.parents or (theirs in mine.parents and not may_hold):
+            raise ValueError(f"{setting}={value} overlaps {name}={other}; give it a directory of its own "
+                             "(e.g. /local/nvme/<run>/checkpoints)")
+
+
 def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded") -> None:
     """The checkpoint settings on their own (the Checkpointer API checks them too); ValueError naming the key."""
     _one_of("checkpoint.resume_mode", ck.resume_mode, ("full", "model_only"))
@@ -255,6 +271,12 @@ def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded
     if is_url(ck.dir) and state_dict_type != "sharded":
         raise ValueError(f"checkpoint.dir={ck.dir} is a URL: object storage takes sharded checkpoints only "
                          "(strategy.state_dict_type=sharded)")
+    if ck.local_dir:
+        refuse_url(ck.local_dir, setting="checkpoint.local_dir")
+        if not is_url(ck.dir):
+            raise ValueError(f"checkpoint.local_dir={ck.local_dir} keeps a local copy of checkpoints on object storage, "
+                             f"and checkpoint.dir={ck.dir} is local already; set checkpoint.dir to a URL "
+                             "(s3://bucket/prefix) or leave checkpoint.local_dir empty")
     if not isinstance(ck.storage_options, dict | DictConfig):
         raise ValueError(f"config key 'checkpoint.storage_options' must be a mapping, got {ck.storage_options!r}")
     if secrets := sorted(k for k in ck.storage_options if str(k).lower() in CREDENTIAL_KEYS):

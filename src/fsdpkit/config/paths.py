@@ -1,6 +1,7 @@
-"""Where paths may go. Checkpoint locations (checkpoint.dir, checkpoint.resume) and the folder of
-model.init_from=hf: may be fsspec URLs (s3://bucket/run/checkpoints) when the scheme's driver is
-installed; every other path is local (or mounted). A URL where only a local path works would otherwise be taken as a local directory named
+"""Where paths may go. Checkpoint locations (checkpoint.dir, checkpoint.resume), the folder of
+model.init_from=hf: and export destinations (export.dir, `fsdpkit ckpt export ... OUT`) may be
+fsspec URLs (s3://bucket/run/checkpoints) when the scheme's driver is installed; every other path
+is local (or mounted). A URL where only a local path works would otherwise be taken as a local directory named
 `s3:`, and a run would write to local disk while the user believes the bucket holds its files."""
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ def refuse_url(value: str, *, setting: str) -> None:
         scheme = value.split("://", 1)[0]
         raise ValueError(
             f"{setting}={value!r} is a {scheme}:// URL; {setting} takes a local or mounted path only (nothing "
-            "would reach the remote store; only checkpoint.dir, checkpoint.resume and model.init_from take URLs). Use a local "
-            "path, or a mount of the bucket (e.g. s3fs/gcsfuse/blobfuse2)")
+            "would reach the remote store; only checkpoint.dir, checkpoint.resume, model.init_from and export "
+            "destinations take URLs). Use a local path, or a mount of the bucket (e.g. s3fs/gcsfuse/blobfuse2)")
 
 
 def check_url(value: str, *, setting: str) -> None:

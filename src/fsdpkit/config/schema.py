@@ -265,6 +265,12 @@ class CheckpointConfig:
     for an S3-compatible store, or {profile: name}. Credentials come from the environment (AWS_*,
     AWS_ENDPOINT_URL, profiles), never from a checkpoint: credential options (key, secret, token, ...)
     are refused here, since the resolved config is saved with every checkpoint."""
+    local_dir: str = ""
+    """With a URL checkpoint.dir: a node-local directory that keeps a copy of every checkpoint this
+    node writes, for the fastest restart on the same node. The bucket stays the source of truth (a
+    checkpoint is committed when its remote manifest exists); a restart reads the local copy when
+    its manifest equals the remote one byte for byte and every file is there, else the bucket. One
+    node and one run per directory; '' (default): no copy. See the README's "Object storage"."""
     every_steps: int = 0
     """Save every this many optimizer steps (0: not by step count)."""
     every_minutes: float = 0.0
@@ -363,7 +369,9 @@ class ExportConfig:
     export the model with the adapters merged in (as `fsdpkit ckpt export --merge`)."""
     dir: str = "${run_dir}/export"
     """Where the export goes. An earlier fsdpkit export there is replaced; anything else (or a
-    path that is, contains or lies in the checkpoints, or is the run directory) is refused."""
+    path that is, contains or lies in the checkpoints, or is the run directory) is refused. May be
+    a URL (s3://bucket/out): exported to a local temporary directory, then uploaded with the index
+    and config.json last (see the README's "Object storage")."""
     dtype: str = "bf16"
     """`bf16`, `fp16` or `fp32`: the dtype of the exported floating tensors (training keeps fp32)."""
     format: str = "hf"

@@ -59,7 +59,15 @@ def check_directories(cfg: Config) -> None:
         _writable_prefix(ckpt_root, setting="checkpoint.dir")
     else:
         _writable_dir(ckpt_root, setting="checkpoint.dir")
-    if cfg.export.on_finish:
+    if cfg.export.on_finish and isinstance(out := open_storage(cfg.export.dir), RemotePath):
+        from fsdpkit.export.remote_destination import check_destination
+
+        _writable_prefix(out, setting="export.dir")
+        try:
+            check_destination(out, fmt=cfg.export.format, overwrite=True, source=cfg.checkpoint.dir)
+        except ValueError as e:
+            raise ValueError(f"export.dir={out} (export.on_finish): {e}") from None
+    elif cfg.export.on_finish:
         out = Path(cfg.export.dir)
         try:
             check_no_overlap(out, protected_paths(Path(cfg.checkpoint.dir) / "step_0", run_dirs=[Path(cfg.run_dir)]))

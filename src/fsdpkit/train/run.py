@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from omegaconf import OmegaConf
 from fsdpkit import __version__, dist
 from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, find_checkpoint
 from fsdpkit.config import Config, check_world_size, to_yaml
+from fsdpkit.config.paths import is_url
 from fsdpkit.data import GlobalSampler, build_datasets
 from fsdpkit.data.tokenizer import tokenizer_size
 from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
@@ -186,6 +188,16 @@ def report_lost_peers(group: Any, *, timeout_s: float) -> None:
                   ", ".join(map(str, lost)), timeout_s, dist.rank(), ", ".join(map(str, lost)))
 
 
+def _export_to(cfg: Config, export: Callable[[str | Path], dict[str, Any]]) -> dict[str, Any]:
+    """`export(export.dir)`; a URL export.dir is exported locally first, then uploaded (export/remote_destination.py)."""
+    if not is_url(cfg.export.dir):
+        return export(cfg.export.dir)
+    from fsdpkit.export.remote_destination import export_to_url
+
+    return export_to_url(cfg.export.dir, export, fmt="hf" if cfg.model.peft.method == "lora" else cfg.export.format,
+                         overwrite=True, source=cfg.checkpoint.dir)
+
+
 def export_final(cfg: Config) -> dict[str, Any]:
     """Export the final checkpoint's weights as configured under `export` (one process). It
     replaces only an earlier export there and never overlaps the checkpoints or the run directory."""
@@ -193,11 +205,12 @@ def export_final(cfg: Config) -> dict[str, Any]:
     if cfg.model.peft.method == "lora":  # a model anyone can load: the adapters merged in
         from fsdpkit.export.adapter import export_merged
 
-        report = export_merged(Path(cfg.checkpoint.dir), Path(e.dir), dtype=e.dtype, overwrite=True,
-                               run_dirs=[cfg.run_dir])
+        report = _export_to(cfg, lambda out: export_merged(Path(cfg.checkpoint.dir), Path(out), dtype=e.dtype,
+                                                           overwrite=True, run_dirs=[cfg.run_dir]))
         log.info("exported the final weights, LoRA merged, to %s", e.dir)
         return report
-    report = export_checkpoint(Path(cfg.checkpoint.dir), Path(e.dir), dtype=e.dtype, fmt=e.format,
-                               max_shard_size=e.max_shard_size, overwrite=True, run_dirs=[cfg.run_dir])
+    report = _export_to(cfg, lambda out: export_checkpoint(Path(cfg.checkpoint.dir), Path(out), dtype=e.dtype, fmt=e.format,
+                                                           max_shard_size=e.max_shard_size, overwrite=True,
+                                                           run_dirs=[cfg.run_dir]))
     log.info("exported the final weights to %s (%s)", e.dir, report.get("dtype_note") or e.dtype)
     return report
