@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsdpkit.config.paths import check_url, is_url
+from fsdpkit.config.paths import check_url
 from fsdpkit.export.tunables import DEFAULT_MAX_SHARD_SIZE, VERIFY_THREADS
 
 CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp; also as an s3:// URL, credentials "
@@ -171,11 +171,9 @@ def _export_lora(args: argparse.Namespace) -> int:
 def _into_out(args: argparse.Namespace, export: Callable[[str | Path], dict[str, Any]]) -> dict[str, Any]:
     """`export(OUT)`; a URL OUT is exported to a temporary local directory first, then uploaded with
     the files that make it loadable last (export/remote_destination.py)."""
-    if not is_url(args.out):
-        return export(args.out)
-    from fsdpkit.export.remote_destination import export_to_url
+    from fsdpkit.export.remote_destination import export_to
 
-    return export_to_url(args.out, export, fmt=args.fmt, overwrite=args.overwrite, source=args.ckpt)
+    return export_to(args.out, export, fmt=args.fmt, overwrite=args.overwrite, source=args.ckpt)
 
 
 def _export(args: argparse.Namespace) -> int:

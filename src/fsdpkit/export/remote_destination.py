@@ -21,12 +21,20 @@ from pathlib import Path
 from typing import Any
 
 from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.checkpoint.storage import RemotePath, open_storage
+from fsdpkit.checkpoint.storage import RemotePath, is_url, open_storage
 from fsdpkit.export.destination import EXPORT_FILES, EXPORTED_BY, exported_by_value
 from fsdpkit.export.safetensors_io import INDEX_FILE, read_header
 
 LAST = (INDEX_FILE, "generation_config.json", "config.json", "adapter_config.json")  # uploaded last, in order
 UPLOAD_BLOCK_BYTES = 8 << 20  # read from the local file per write into the upload stream
+
+
+def export_to(out: str | Path, export: Callable[[str | Path], dict[str, Any]], *, fmt: str, overwrite: bool,
+              source: str | Path) -> dict[str, Any]:
+    """`export(out)` for a local `out`; for a URL, `export_to_url` (exported locally, then uploaded)."""
+    if not is_url(str(out)):
+        return export(out)
+    return export_to_url(str(out), export, fmt=fmt, overwrite=overwrite, source=source)
 
 
 def export_to_url(out: str, export: Callable[[Path], dict[str, Any]], *, fmt: str, overwrite: bool,

@@ -14,7 +14,6 @@ from omegaconf import OmegaConf
 from fsdpkit import __version__, dist
 from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, find_checkpoint
 from fsdpkit.config import Config, check_world_size, to_yaml
-from fsdpkit.config.paths import is_url
 from fsdpkit.data import GlobalSampler, build_datasets
 from fsdpkit.data.tokenizer import tokenizer_size
 from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
@@ -190,12 +189,10 @@ def report_lost_peers(group: Any, *, timeout_s: float) -> None:
 
 def _export_to(cfg: Config, export: Callable[[str | Path], dict[str, Any]]) -> dict[str, Any]:
     """`export(export.dir)`; a URL export.dir is exported locally first, then uploaded (export/remote_destination.py)."""
-    if not is_url(cfg.export.dir):
-        return export(cfg.export.dir)
-    from fsdpkit.export.remote_destination import export_to_url
+    from fsdpkit.export.remote_destination import export_to
 
-    return export_to_url(cfg.export.dir, export, fmt="hf" if cfg.model.peft.method == "lora" else cfg.export.format,
-                         overwrite=True, source=cfg.checkpoint.dir)
+    return export_to(cfg.export.dir, export, fmt="hf" if cfg.model.peft.method == "lora" else cfg.export.format,
+                     overwrite=True, source=cfg.checkpoint.dir)
 
 
 def export_final(cfg: Config) -> dict[str, Any]:
