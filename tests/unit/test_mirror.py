@@ -64,6 +64,11 @@ def test_local_dir_is_refused_where_it_cannot_work(tmp_path, mirrored, monkeypat
         mirror.configure(str(local), root=open_storage("memory://other-bucket/checkpoints"))
     with pytest.raises(ValueError, match="checkpoint.dir=.* is local; set checkpoint.dir to a URL"):
         mirror.configure(str(tmp_path / "m2"), root=tmp_path / "checkpoints")
+    theirs = tmp_path / "old-run-checkpoints"  # someone's checkpoints: pruning would delete them
+    (theirs / "step_5").mkdir(parents=True)
+    with pytest.raises(ValueError, match="already holds step_5, which no mirror wrote"):
+        mirror.configure(str(theirs), root=root)
+    assert (theirs / "step_5").is_dir() and not (theirs / mirror.MIRROR_OF).exists()
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(ValueError, match="16 ranks on several nodes"):

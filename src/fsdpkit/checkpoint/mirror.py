@@ -58,7 +58,13 @@ def configure(local_dir: str, *, root: CkptPath) -> None:
     if marker.is_file() and marker.read_text().strip() != root.url:
         raise ValueError(f"checkpoint.local_dir={local} mirrors {marker.read_text().strip()}, not checkpoint.dir="
                          f"{root.url}; give each run its own local_dir (or delete {local} if that run is gone)")
-    if not marker.is_file():  # every rank of the node may get here at once: a temporary of its own
+    if not marker.is_file():
+        # pruning deletes checkpoint-shaped directories here: never ones this mirror did not write
+        foreign = sorted(p.name for p in local.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name))
+        if foreign:
+            raise ValueError(f"checkpoint.local_dir={local} already holds {', '.join(foreign[:5])}, which no mirror "
+                             "wrote (it has no .mirror_of); the mirror would delete them. Give it an empty directory")
+        # every rank of the node may get here at once: a temporary of its own
         tmp = local / f"{MIRROR_OF}.{os.getpid()}.tmp"
         tmp.write_text(root.url + "\n")
         os.replace(tmp, marker)
