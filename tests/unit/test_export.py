@@ -32,6 +32,7 @@ from fsdpkit.checkpoint.errors import (
     CheckpointMismatchError,
     UnsafeCheckpointError,
 )
+from fsdpkit.checkpoint.torch_save import FileWindow, locate_tensor, tensor_in_blob
 from fsdpkit.config import compose_config
 from fsdpkit.export.diffing import diff_checkpoints
 from fsdpkit.export.exporter import export_checkpoint
@@ -40,7 +41,6 @@ from fsdpkit.export.inspection import describe_chunks, inspect_checkpoint
 from fsdpkit.export.keys import clean_name, model_weights
 from fsdpkit.export.safetensors_io import StreamingSafetensorsWriter, plan_shards, read_header
 from fsdpkit.export.sources import DcpLoadSource, DcpSource, open_checkpoint
-from fsdpkit.export.torch_save import FileWindow, locate_tensor
 from fsdpkit.export.tunables import parse_size
 from fsdpkit.export.verification import verify_checkpoint
 from fsdpkit.model import build_model
@@ -74,8 +74,20 @@ def test_locate_tensor_finds_exactly_what_torch_load_reads(tensor):
     got = _payload_read(buf.getvalue())
     expected = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
     assert got.dtype == expected.dtype and got.shape == expected.shape
-    assert torch.equal(got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
-                       expected.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else expected)
+    def raw(t: torch.Tensor) -> torch.Tensor:
+        return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+    assert torch.equal(raw(got), raw(expected))
+    # the verifying load's path: a view of the read buffer itself, no copy
+    buffer = bytearray(buf.getvalue())
+    view = tensor_in_blob(memoryview(buffer), source="test")
+    assert view.dtype == expected.dtype and view.shape == expected.shape and view.stride() == expected.stride()
+    assert torch.equal(raw(view), raw(expected))
+    if expected.numel():
+        start = torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()
+        assert start <= view.data_ptr() < start + len(buffer)
+        buffer[:] = bytes(len(buffer))  # the buffer is reused for the next item: the view sees it
+        assert not torch.equal(raw(view), raw(expected)) or not expected.any()
 
 
 class _Payload:

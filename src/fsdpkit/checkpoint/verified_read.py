@@ -30,6 +30,7 @@ from torch.futures import Future
 
 from fsdpkit.checkpoint.hashing import HASH_NAME
 from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
+from fsdpkit.checkpoint.torch_save import MemoryReader, tensor_in_blob
 
 READ_AHEAD_BYTES = int(os.environ.get("FSDPKIT_LOAD_READ_AHEAD_BYTES", str(64 << 20)))
 """Bytes a verifying load reads ahead of deserialisation (at least one item, whatever its size)."""
@@ -69,7 +70,7 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 continue
             with closing(self._read_ahead(name, ordered)) as items:  # stops the read-ahead at once on an error
                 for req, info, data in items:
-                    self._consume(req, info, _MemoryReader(data), planner)
+                    self._consume(req, info, data, planner)
         if partial:  # DCP's own slice reads for the rest
             super().read_data(LoadPlan(partial, plan.storage_data, plan.planner_data), planner).wait()
         fut: Future[None] = Future()
@@ -114,14 +115,19 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
             longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
         self.digests[name] = (size[0] + len(longer), digest.hexdigest())
 
-    def _consume(self, req: ReadItem, info: _StorageInfo, raw: io.BytesIO, planner: LoadPlanner) -> None:
-        """What FileSystemReader.read_data does with one item's bytes (torch 2.13)."""
-        stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), raw)
-        if req.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(req, io.BytesIO(stream.read(-1)))
-            return
-        seekable = stream if stream.seekable() else io.BytesIO(stream.read(-1))
-        tensor = cast(torch.Tensor, torch.load(seekable, map_location="cpu", weights_only=True))
+    def _consume(self, req: ReadItem, info: _StorageInfo, data: memoryview, planner: LoadPlanner) -> None:
+        """What FileSystemReader.read_data does with one item's bytes (torch 2.13), except that a
+        tensor is copied into its target straight from the read buffer: torch.load would first
+        copy it into a storage of its own."""
+        if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+            stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), MemoryReader(data))
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+                return
+            tensor = cast(torch.Tensor, torch.load(io.BytesIO(stream.read(-1)), map_location="cpu", weights_only=True))
+        else:
+            tensor = tensor_in_blob(data, source=f"{self.fs.concat_path(self.path, info.relative_path)} "
+                                                 f"at byte {info.offset}")
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
         target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
@@ -153,35 +159,6 @@ class _Buffers:
         view.release()
         with self._lock:
             self._free.append(buf)
-
-
-class _MemoryReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview, without copying it (io.BytesIO would)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        out = memoryview(b).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
 
 
 def file_problems(ckpt_dir: Path, manifest: dict[str, Any], digests: dict[str, tuple[int, str]], *,

@@ -32,13 +32,13 @@ from fsdpkit.checkpoint.safe_io import (
     read_dcp_metadata,
 )
 from fsdpkit.checkpoint.storage import RemotePath, open_storage
+from fsdpkit.checkpoint.torch_save import FileWindow, TensorPayload, locate_tensor
 from fsdpkit.export.locate import (
     is_uncommitted_fsdpkit_dir,
     locate_checkpoint,
     not_committed_message,
 )
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
-from fsdpkit.export.torch_save import FileWindow, TensorPayload, locate_tensor
 
 FULL_MODEL_FILE = "model.safetensors"  # what strategy.state_dict_type=full writes (checkpoint/full.py)
 

@@ -196,6 +196,48 @@ def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return 1 + sum((size - 1) * st for size, st in zip(shape, stride, strict=True))
 
 
+def tensor_in_blob(blob: memoryview, *, source: str) -> torch.Tensor:
+    """The tensor that the `torch.save` blob in `blob` holds, as a view of `blob`'s own bytes:
+    no copy and no pickle run (`locate_tensor` decodes data.pkl with the allow-list). The view
+    is valid as long as `blob` is; copy out of it before the buffer is reused."""
+    payload = locate_tensor(MemoryReader(blob), source=source)
+    count = _extent(payload.shape, payload.stride)
+    if count == 0:  # torch.frombuffer refuses an empty range
+        return torch.empty(payload.shape, dtype=payload.dtype)
+    flat = torch.frombuffer(blob, dtype=payload.dtype, count=count,
+                            offset=payload.data_start + payload.storage_offset * payload.dtype.itemsize)
+    return flat.as_strided(payload.shape, payload.stride)
+
+
+class MemoryReader(io.RawIOBase):
+    """A seekable read-only file over a memoryview, without copying it (io.BytesIO would)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._pos = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
 class FileWindow(io.RawIOBase):
     """A read-only, seekable view of bytes [start, start + length) of an open binary file.
 
