@@ -6,7 +6,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
@@ -26,7 +26,7 @@ from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
 from fsdpkit.checkpoint.storage import as_path, is_url
-from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader, file_problems
+from fsdpkit.checkpoint.verified_read import ReadAheadFileSystemReader, file_problems
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -182,7 +182,7 @@ def load_checkpoint(
         rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
     else:
         rng, tensors = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only,
-                                     files=manifest["files"] if verify_files else None)
+                                     files=manifest["files"], check_files=verify_files)
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
     if not model_only:
@@ -215,18 +215,20 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensor
 
 
 def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None,
-                  model_only: bool, files: dict[str, Any] | None = None) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+                  model_only: bool, files: dict[str, Any], check_files: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """DCP load (resharding as needed) into the live model/optimizer; returns this rank's RNG
-    state and the Stateful pieces' tensors (by `state.<name>.<path>`). With `files` (the
-    manifest's), every file's checksum is verified from the bytes read (CheckpointCorruptError)."""
+    state and the Stateful pieces' tensors (by `state.<name>.<path>`). `files` is the manifest's
+    list; with `check_files`, every file's checksum is verified from the bytes read
+    (CheckpointCorruptError)."""
     state = target.tensor_state(rank=rank, with_optimizer=not model_only)
-    if files is not None and is_url(ckpt_dir):
+    if check_files and is_url(ckpt_dir):
         # object storage has no verifying reader: stream every file's checksum first (two reads)
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
-        files = None
-    reader = (safe_reader(ckpt_dir) if files is None
-              else VerifyingFileSystemReader(ckpt_dir, sizes={n: i["size"] for n, i in files.items()}))
-    if files is not None and METADATA_FILENAME in files:  # small; checked before anything reads it
+        check_files = False
+    reader = (safe_reader(ckpt_dir) if is_url(ckpt_dir)
+              else ReadAheadFileSystemReader(ckpt_dir, sizes={n: i["size"] for n, i in files.items()},
+                                             hash_files=check_files))
+    if check_files and METADATA_FILENAME in files:  # small; checked before anything reads it
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": {METADATA_FILENAME: files[METADATA_FILENAME]}},
                                                  group=group))
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
@@ -240,13 +242,13 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     except (Exception, CheckpointException):  # the latter is a BaseException; a corrupt file may break the load
-        if files is not None:
+        if check_files:
             _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
         raise
-    if isinstance(reader, VerifyingFileSystemReader):
+    if check_files:
         rest = {n: i for n, i in files.items() if n != METADATA_FILENAME}  # checked before it was unpickled
-        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": rest}, reader.digests, group=group,
-                                                  verify_rest=lambda d, m: verify_files(d, m, group=group)))
+        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": rest}, cast(ReadAheadFileSystemReader, reader).digests,
+                                                  group=group, verify_rest=lambda d, m: verify_files(d, m, group=group)))
     target.restore_tensors(state)
     tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
     return (state["rng"][f"rank{rank}"] if "rng" in state else None), tensors

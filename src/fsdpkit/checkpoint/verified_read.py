@@ -1,11 +1,13 @@
-"""Load a DCP checkpoint and verify its files' checksums from the same read.
+"""Load a DCP checkpoint in one sequential read per file, verifying the files' checksums from that read.
 
 Why: checking every file's xxh3 before loading (`resolve_checkpoint(verify_checksums=True)`)
 reads the whole checkpoint once, then DCP reads it again to load it; on a cold cache that doubles
-the I/O of a resume. Here each rank hashes every file it reads whole, in offset order, on a
-read-ahead thread, while the caller turns the same bytes into tensors; at the same world size that covers every data file. Files no
-rank read whole (a resharded load reads parts of several files) are hashed afterwards, split over
-ranks. `fsdpkit ckpt verify` keeps the separate, complete verification.
+the I/O of a resume. Here each rank reads every file it reads whole in offset order on a
+read-ahead thread (hashing it there when asked), while the caller copies each tensor from the read
+buffer into its target: one read, and one copy out of it where DCP makes two (into torch.load's
+own storage, then into the target). At the same world size that covers every data file. Files no rank read whole (a
+resharded load reads parts of several files) are read as DCP reads them, and hashed afterwards,
+split over ranks. `fsdpkit ckpt verify` keeps the separate, complete verification.
 """
 
 from __future__ import annotations
@@ -36,16 +38,19 @@ READ_AHEAD_BYTES = int(os.environ.get("FSDPKIT_LOAD_READ_AHEAD_BYTES", str(64 <<
 """Bytes a verifying load reads ahead of deserialisation (at least one item, whatever its size)."""
 
 
-class VerifyingFileSystemReader(SafeFileSystemReader):
-    """`SafeFileSystemReader` that hashes (xxh3-64) each file this rank reads whole, as it reads it.
+class ReadAheadFileSystemReader(SafeFileSystemReader):
+    """`SafeFileSystemReader` that reads each file this rank reads whole in one sequential pass
+    on a read-ahead thread and copies every tensor from the read buffer into its target; with
+    `hash_files`, it also hashes (xxh3-64) those files as it reads them.
 
-    After `dcp.load`, `digests` holds {file name: (size, hex digest)} for those files; other files
-    were read as DCP reads them (slices) and are not in it.
+    After `dcp.load`, `digests` holds {file name: (size, hex digest)} for the files hashed; other
+    files were read as DCP reads them (slices) and are not in it.
     """
 
-    def __init__(self, path: str | os.PathLike, *, sizes: dict[str, int]) -> None:
+    def __init__(self, path: str | os.PathLike, *, sizes: dict[str, int], hash_files: bool = True) -> None:
         super().__init__(path)
         self.sizes = sizes  # file name -> size recorded in the manifest
+        self.hash_files = hash_files
         self.digests: dict[str, tuple[int, str]] = {}
 
     def _whole_in_order(self, name: str, reqs: list[ReadItem]) -> list[ReadItem] | None:
@@ -95,7 +100,8 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 got = 0
                 while got < length and (n := stream.readinto(view[got:])):
                     got += n
-                digest.update(view[:got])
+                if self.hash_files:
+                    digest.update(view[:got])
                 size[0] += got
                 return view[:got]
 
@@ -112,8 +118,9 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 in_flight -= info.length
                 yield req, info, data
                 buffers.give_back(data)  # the caller is done with it
-            longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
-        self.digests[name] = (size[0] + len(longer), digest.hexdigest())
+            if self.hash_files:
+                longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
+                self.digests[name] = (size[0] + len(longer), digest.hexdigest())
 
     def _consume(self, req: ReadItem, info: _StorageInfo, data: memoryview, planner: LoadPlanner) -> None:
         """What FileSystemReader.read_data does with one item's bytes (torch 2.13), except that a
