@@ -226,3 +226,34 @@ def test_files_are_verified_from_the_load_read_and_corruption_is_caught(tmp_path
     blob.write_bytes(bytes(raw))
     with pytest.raises(CheckpointCorruptError, match=r"fails its checksum .*the file is corrupt"):
         load_checkpoint(_target(2), ckpt, fingerprint={"tensors": {}}, group=None, verify_files=True)
+
+
+def test_checkpoints_skip_torch_saves_crc32_and_load_with_and_without_file_checks(tmp_path):
+    """fsdpkit writes DCP's per-tensor zips without torch.save's CRC32 (its xxh3 covers the
+    bytes); torch.load, DCP and both fsdpkit load paths read them, and the setting is restored."""
+    import io
+    import zipfile
+
+    from fsdpkit.checkpoint.safe_io import read_dcp_metadata
+
+    assert torch.serialization.get_crc32_options()
+    saved = _target(0)
+    ckpt = tmp_path / "step_1"
+    _save(saved, ckpt, 1)
+    assert torch.serialization.get_crc32_options(), "the process-wide CRC32 setting was not restored"
+    meta = read_dcp_metadata(ckpt)
+    index, info = next((i, s) for i, s in meta.storage_data.items() if i.fqn == "model.0.weight")
+    with open(ckpt / info.relative_path, "rb") as f:
+        f.seek(info.offset)
+        blob = f.read(info.length)
+    with zipfile.ZipFile(io.BytesIO(blob)) as z:
+        crcs = {i.filename.rsplit("/", 1)[-1]: i.CRC for i in z.infolist()}
+    assert crcs["0"] == 0 and crcs["data.pkl"] == 0, crcs  # written with CRC32 off
+    assert torch.equal(torch.load(io.BytesIO(blob), weights_only=True), saved.model[0].weight.detach())
+    for verify_files in (False, True):
+        loaded = _target(1)
+        load_checkpoint(loaded, ckpt, fingerprint={"tensors": {}}, group=None, verify_files=verify_files)
+        for a, b in zip(saved.model.parameters(), loaded.model.parameters(), strict=True):
+            assert torch.equal(a, b)
+        assert torch.equal(saved.optimizer.state_dict()["state"][0]["exp_avg"],
+                           loaded.optimizer.state_dict()["state"][0]["exp_avg"])

@@ -167,6 +167,37 @@ class HashingFileSystem(FileSystemBase):
                 stream.close()
 
 
+_crc_lock = threading.Lock()
+_crc_users = 0
+_crc_before = True
+
+
+@contextmanager
+def zip_crc32_off() -> Iterator[None]:
+    """torch.save's CRC32 off while a checkpoint is written.
+
+    DCP stores every tensor as a `torch.save` zip, and torch.save runs a CRC32 over every byte of
+    it (as much CPU time as the kernel spends writing those bytes, on this project's CPU machines) that
+    torch.load never checks; the xxh3 file checksums above cover the same bytes and are checked.
+    torch's switch is process-wide: a torch.save elsewhere in the process during the save writes
+    zero CRCs too (torch.load reads those files as usual). Nested and concurrent uses are counted;
+    the last one out restores the setting found by the first.
+    """
+    global _crc_users, _crc_before
+    with _crc_lock:
+        if _crc_users == 0:
+            _crc_before = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _crc_users += 1
+    try:
+        yield
+    finally:
+        with _crc_lock:
+            _crc_users -= 1
+            if _crc_users == 0:
+                torch.serialization.set_crc32_options(_crc_before)
+
+
 def file_checksum(path: Path) -> tuple[int, str]:
     """(size, xxh3-64 hex digest) of a file on disk."""
     h, size = xxhash.xxh3_64(), 0

@@ -33,6 +33,7 @@ from fsdpkit.checkpoint.hashing import (
     local_contributions,
     reduce_contributions,
     tensor_hashes,
+    zip_crc32_off,
 )
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, publish_latest, swap_in
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
@@ -178,7 +179,8 @@ def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.Proce
     def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # every rank writes its shards through DCP
         writer, fs = hashing_writer(into, thread_count=thread_count,
                                     die_mid_write=_dies_during_this_save(snapshot.step, rank))
-        dcp.save(snapshot.state, storage_writer=writer, process_group=group)
+        with zip_crc32_off():
+            dcp.save(snapshot.state, storage_writer=writer, process_group=group)
         return _gather(fs.files, group), {}
 
     return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="sharded", write=write, on_commit=on_commit)

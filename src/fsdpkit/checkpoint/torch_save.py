@@ -147,7 +147,8 @@ def _read_record(source: str, pickled: bytes) -> _TensorRecord:
 def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
     """Parse the `torch.save` zip in `blob` (a seekable view of exactly that blob).
 
-    Reads only the zip directory, `data.pkl` and one local file header (a few hundred bytes).
+    Reads only the zip directory, `data.pkl`, `byteorder` and their local file headers (a few
+    hundred bytes).
 
     Raises:
         UnsafeCheckpointError: data.pkl names a global outside the tensor allow-list.
@@ -162,22 +163,18 @@ def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
         if pkl is None:
             raise CheckpointCorruptError(f"`{source}` has no data.pkl: not a torch.save archive")
         prefix = pkl.filename[: -len("data.pkl")]
-        names = set(archive.namelist())
-        if f"{prefix}byteorder" in names and archive.read(f"{prefix}byteorder") != b"little":
-            raise CheckpointCorruptError(f"`{source}` was saved big-endian; only little-endian checkpoints are supported")
-        record = _read_record(source, archive.read(pkl))
-        name = f"{prefix}data/{record.storage.key}"
-        if name not in names:
-            raise CheckpointCorruptError(f"`{source}` lacks the storage record {name}")
-        info = archive.getinfo(name)
-    if info.compress_type != zipfile.ZIP_STORED:
-        raise CheckpointCorruptError(f"`{source}`: storage record {name} is compressed; torch.save never does that")
-    blob.seek(info.header_offset)
-    header = blob.read(_ZIP_LOCAL_HEADER.size)
-    if len(header) != _ZIP_LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
-        raise CheckpointCorruptError(f"`{source}`: bad zip local header for {name}")
-    fields = _ZIP_LOCAL_HEADER.unpack(header)
-    data_start = info.header_offset + _ZIP_LOCAL_HEADER.size + fields[-2] + fields[-1]
+        infos = {i.filename: i for i in archive.infolist()}
+    # Records are read raw, not with archive.read: that checks each record's CRC32, which
+    # checkpoints written with torch.save's CRC32 off (fsdpkit writes them so) leave at 0.
+    order = infos.get(f"{prefix}byteorder")
+    if order is not None and _stored_bytes(blob, order, source) != b"little":
+        raise CheckpointCorruptError(f"`{source}` was saved big-endian; only little-endian checkpoints are supported")
+    record = _read_record(source, _stored_bytes(blob, pkl, source))
+    name = f"{prefix}data/{record.storage.key}"
+    info = infos.get(name)
+    if info is None:
+        raise CheckpointCorruptError(f"`{source}` lacks the storage record {name}")
+    data_start = _data_start(blob, info, source)
     itemsize = record.dtype.itemsize
     needed = (record.storage_offset + _extent(record.shape, record.stride)) * itemsize
     if info.file_size < needed:
@@ -187,6 +184,26 @@ def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
         raise CheckpointCorruptError(f"`{source}`: storage record runs past the end of the blob (truncated)")
     return TensorPayload(dtype=record.dtype, shape=record.shape, stride=record.stride,
                          storage_offset=record.storage_offset, data_start=data_start, storage_bytes=info.file_size)
+
+
+def _data_start(blob: IO[bytes], info: zipfile.ZipInfo, source: str) -> int:
+    """Offset of the first byte of the stored (uncompressed) record `info` within `blob`."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CheckpointCorruptError(f"`{source}`: record {info.filename} is compressed; torch.save never does that")
+    blob.seek(info.header_offset)
+    header = blob.read(_ZIP_LOCAL_HEADER.size)
+    if len(header) != _ZIP_LOCAL_HEADER.size or header[:4] != b"PK\x03\x04":
+        raise CheckpointCorruptError(f"`{source}`: bad zip local header for {info.filename}")
+    fields = _ZIP_LOCAL_HEADER.unpack(header)
+    return info.header_offset + _ZIP_LOCAL_HEADER.size + fields[-2] + fields[-1]
+
+
+def _stored_bytes(blob: IO[bytes], info: zipfile.ZipInfo, source: str) -> bytes:
+    blob.seek(_data_start(blob, info, source))
+    data = blob.read(info.file_size)
+    if len(data) != info.file_size:
+        raise CheckpointCorruptError(f"`{source}`: record {info.filename} runs past the end of the blob (truncated)")
+    return data
 
 
 def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
