@@ -157,12 +157,16 @@ def _b6(g: dict[str, Any], label: str, targets: list, lines: list) -> None:
         extra = "-" if mode == "no checkpoint" else f"{r['extra_cpu_s']:+.2f} s = {r['extra_cpu_over_loop_pct']:+.1f}%"
         ph = r.get("fsdpkit_phase_median_s", {})
         bg = (f"write {ph['write_s']:.2f} s / {ph['write_cpu_s']:.2f} CPU; hash {ph['hash_s']:.2f} s / "
-              f"{ph['hash_cpu_s']:.2f} CPU" + (f"; background thread CPU {ph['background_cpu_s']:.2f} s"
-                                               if "background_cpu_s" in ph else "")
+              f"{ph['hash_cpu_s']:.2f} CPU" + (f"; prepare + agree {ph['prepare_s'] * 1e3:.0f} ms"
+                                               if "prepare_s" in ph else "")
+              + (f"; background thread CPU {ph['background_cpu_s']:.2f} s" if "background_cpu_s" in ph else "")
               if "write_cpu_s" in ph else "-")
+        late = r.get("heartbeat_late_median_s")
+        gil = "-" if late is None else (f"{late:.2f}" + ("" if mode == "no checkpoint" else
+                                                         f" ({late - b6['no checkpoint']['heartbeat_late_median_s']:+.2f})"))
         lines.append(f"| {label} | {mode} | {r['loop_median_s']:.2f} | {_range(r['loop_s'])} | {over} | "
                      f"{r['saves_per_run']} | {r['stall_median_s'] * 1e3:.0f} | {r['drain_median_s']:.2f} | "
-                     f"{extra} | {bg} |")
+                     f"{extra} | {gil} | {bg} |")
     over, dcp = b6[FSDPKIT_ASYNC]["overhead_pct"], b6["dcp.async_save"]["overhead_pct"]
     if b6["world_size"] == 1:
         _target(targets, "B6 async overhead with a core free for the background (1 rank on 2 cores) (%)", size, over,
@@ -394,11 +398,16 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 f"{g['B6']['fixed_step_s'] * 1e3:.0f} ms, a save every {cfg['b6_every']}; medians of "
                 f"{g['B6']['rounds']} runs per mode, modes in alternating order)",
                 "| ranks | mode | loop s | min–max (n) | overhead vs no checkpoint | saves per run | median stall ms | "
-                "drain s | extra process CPU per rank (/ loop) | fsdpkit per save: wall / CPU (medians) |",
-                "|---|---|---|---|---|---|---|---|---|---|", *b6,
+                "drain s | extra process CPU per rank (/ loop) | GIL/core wait s (vs none) | "
+                "fsdpkit per save: wall / CPU (medians) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|", *b6,
                 "the loop ends when the last save call returned; drain = from then until that save is durable; "
                 "extra CPU = the process CPU time (all threads) minus that of the runs without checkpoints: the "
-                "work the saves add, which competes with training when no core is free"]
+                "work the saves add, which competes with training when no core is free; GIL/core wait = how late "
+                "a Python thread of rank 0 that sleeps 5 ms at a time woke up, summed over the run (the time a "
+                "Python thread waits for the GIL, or for a core when none is free), and in brackets its "
+                "increase over the runs without checkpoints; prepare + agree = rank 0 readies the directory "
+                "and every rank learns the outcome (a broadcast) before writing"]
     if res["errors"]:
         out += ["", "### Errors", *(f"- {e}" for e in res["errors"])]
     return "\n".join(out), targets

@@ -522,8 +522,42 @@ def bench_load(b: Bench, path: Path, runs: int) -> dict[str, Any]:
 
 
 # -- B6: goodput -----------------------------------------------------------------------------
+class Heartbeat:
+    """A Python thread that sleeps `period` s at a time: how late it wakes is how long a Python
+    thread of this process waits for the GIL (or for a core, when none is free). Run during every
+    B6 mode alike, so its own small cost is the same in all of them."""
+
+    def __init__(self, period: float = 0.005) -> None:
+        self.period, self.late_s, self.wakes = period, 0.0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            t = time.perf_counter()
+            if self._stop.wait(self.period):
+                return
+            self.late_s += max(0.0, time.perf_counter() - t - self.period)
+            self.wakes += 1
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def b6_run(b: Bench, root: Path, mode: str, *, steps: int, every: int, step: FixedStep) -> dict[str, Any]:
     """One run of `steps` fixed-cost steps with a save every `every` (none for "no checkpoint")."""
+    with Heartbeat() as beat:
+        out = _b6_loop(b, root, mode, steps=steps, every=every, step=step)
+    out.update({"heartbeat_late_s": beat.late_s, "heartbeat_wakes": beat.wakes})
+    return out
+
+
+def _b6_loop(b: Bench, root: Path, mode: str, *, steps: int, every: int, step: FixedStep) -> dict[str, Any]:
     method = AsyncMethod(b, mode) if mode in ASYNC_KINDS else None
     stalls, step_s, background = [], [], []
     tdist.barrier(group=b.sync_group)
@@ -580,6 +614,8 @@ def bench_b6(b: Bench, root: Path, *, steps: int, every: int, rounds: int, step:
                      "process_cpu_median_s": cpu, "extra_cpu_s": cpu - base_cpu,
                      # the least overhead the extra work allows when no core is free for it
                      "extra_cpu_over_loop_pct": (cpu - base_cpu) / base * 100,
+                     # rank 0's Python-thread wake-up delay (GIL or core wait) during the loop, per run
+                     "heartbeat_late_median_s": statistics.median(x["heartbeat_late_s"] for x in rows),
                      "fsdpkit_phase_median_s": {k: statistics.median(t[k] for t in timings if k in t) for k in phases},
                      "own_median_overhead_pct": statistics.median(x["own_median_overhead_pct"] for x in rows)}
     return out

@@ -228,8 +228,10 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
             raise CheckpointSaveError(f"saving {ckpt_dir} failed on rank 0 ({prepared}); the previous checkpoint "
                                       "stays latest")
         into = as_path(prepared[1])
+        t_prepared = time.perf_counter()
         (files_by_rank, extra), algorithm, tensors, timings = _write_and_hash(snapshot.state, lambda: write(into),
                                                                               group=group)
+        timings["prepare_s"] = t_prepared - t0  # rank 0 readies the directory; every rank learns the outcome
         bytes_per_rank = [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank]
         manifest, failure = None, None
         if rank == 0:
