@@ -4,6 +4,9 @@
 - async: the same run driven by hand: save step 3 in the background (its write held back by a test
   hook), train two more steps while it is in flight, then commit; its checkpoint must equal the
   synchronous one, and resuming from it must reproduce the reference losses;
+- async_bg: the same with checkpoint.async_staging=background and the copy itself held back: the
+  save returns at once, the next optimizer step waits for the copy, and the checkpoint is again
+  the state at step 3;
 - exception: every rank raises in step 5 (before its update): on_exception holds step 4, and the
   auto-resume from it reproduces the reference;
 - minutes: saves by wall-clock cadence, in the background, with retention: ranks must agree.
@@ -22,7 +25,7 @@ import torch.distributed as tdist
 from ckpt_worker import BASE, session
 
 from fsdpkit import dist
-from fsdpkit.checkpoint.async_save import SLOW_WRITE_ENV
+from fsdpkit.checkpoint.async_save import SLOW_STAGING_ENV, SLOW_WRITE_ENV
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION
 from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
 from fsdpkit.config import compose_config
@@ -36,9 +39,9 @@ def manifest(path: Path) -> dict:
     return json.loads((path / MANIFEST).read_text())
 
 
-def async_by_hand(work: Path) -> dict:
-    run = work / "async"
-    cfg = compose_config(BASE + [f"run_dir={run}", "checkpoint.async=true", "checkpoint.resume=none"])
+def async_by_hand(work: Path, name: str = "async", *, hold: str = SLOW_WRITE_ENV, extra: tuple[str, ...] = ()) -> dict:
+    run = work / name
+    cfg = compose_config(BASE + [f"run_dir={run}", "checkpoint.async=true", "checkpoint.resume=none", *extra])
     if dist.is_main():
         run.mkdir(parents=True)
     tdist.barrier()
@@ -47,17 +50,18 @@ def async_by_hand(work: Path) -> dict:
     ckpt.resume()
     for _ in range(3):
         trainer.train_step()
-    os.environ[SLOW_WRITE_ENV] = "1.5"
+    os.environ[hold] = "1.5"
     ckpt.save(3, reason="test")
-    stall_s = ckpt._async.in_flight.stall_s
+    running = ckpt._async.in_flight
+    stall_at_return = running.stall_s
     for _ in range(2):
         trainer.train_step()  # the parameters and optimizer state move on while step_3 is written
     in_flight_after_two_steps = not ckpt._async.done()
-    del os.environ[SLOW_WRITE_ENV]
+    del os.environ[hold]
     ckpt.close()
     trainer.metrics.close()
-    return {"in_flight_after_two_steps": in_flight_after_two_steps, "stall_s": stall_s,
-            "events": read_records(run, events=True) if dist.is_main() else []}
+    return {"in_flight_after_two_steps": in_flight_after_two_steps, "stall_at_return_s": stall_at_return,
+            "stall_s": running.stall_s, "events": read_records(run, events=True) if dist.is_main() else []}
 
 
 def main() -> None:
@@ -68,6 +72,7 @@ def main() -> None:
         compose_config(BASE + ["checkpoint.async=true", "checkpoint.timeout_s=120"]).checkpoint)
     res: dict = {"reference": session(work / "reference", ["checkpoint.every_steps=3"])}
     res["async"] = async_by_hand(work)
+    res["async_bg"] = async_by_hand(work, "async_bg", hold=SLOW_STAGING_ENV, extra=("checkpoint.async_staging=background",))
     res["from_async"] = session(work / "from_async", [], resume=str(work / "async" / "checkpoints" / "step_3"))
 
     os.environ[RAISE_AT_ENV] = "5:*"
@@ -91,7 +96,7 @@ def main() -> None:
         ck = work / "exception" / "checkpoints"
         res["on_exception_manifest"] = {k: manifest(ck / ON_EXCEPTION)[k] for k in ("step", "reason", "exception")}
         res["manifests"] = {name: {k: manifest(work / name / "checkpoints" / "step_3")[k] for k in ("tensors", "trainer")}
-                            for name in ("reference", "async")}
+                            for name in ("reference", "async", "async_bg")}
         res["minutes_dirs"] = sorted(p.name for p in (work / "minutes" / "checkpoints").iterdir())
         res["minutes_saves"] = [(e["step"], e["reason"]) for e in read_records(work / "minutes", events=True)
                                 if e["event"] == "checkpoint"]

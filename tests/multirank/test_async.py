@@ -39,6 +39,19 @@ def test_async_checkpoint_is_the_state_at_its_step_although_training_ran_on(res)
     assert all(resumed[s] == losses(res["reference"])[s] for s in resumed)  # bit-identical
 
 
+def test_background_staging_returns_at_once_and_the_next_optimizer_step_waits_for_the_copy(res):
+    bg = res["async_bg"]
+    # the copy was held back 1.5 s: the save call returned before it, the first optimizer step
+    # after it waited for the rest of it (1.5 s less that step's forward/backward; counted in the
+    # stall), and the checkpoint is the state at step 3
+    assert bg["stall_at_return_s"] < 0.5, bg
+    assert bg["stall_s"] >= 1.0, bg
+    ref, got = res["manifests"]["reference"], res["manifests"]["async_bg"]
+    assert got["tensors"] == ref["tensors"] and got["trainer"] == ref["trainer"]
+    event = next(r for r in bg["events"] if r["event"] == "checkpoint")
+    assert event["mode"] == "async" and event["step"] == 3 and event["stall_s"] >= 1.0
+
+
 def test_exception_on_every_rank_saves_on_exception_at_the_last_boundary(res):
     assert "injected failure at step 5" in res["exception_raised"]
     m = res["on_exception_manifest"]

@@ -64,6 +64,8 @@ def test_forced_add():
         ("checkpoint.keep_best_mode=lowest", "checkpoint.keep_best_mode"),
         ("checkpoint.preemption_signals=[SIGNOPE]", "unknown signal 'SIGNOPE'"),
         ("checkpoint.async=maybe", "checkpoint.async_save"),
+        ("checkpoint.async_staging=lazy", "checkpoint.async_staging"),
+        ("checkpoint.async_staging=background", "checkpoint.async_save is off"),
         ("diagnostics.skew_warn_ratio=0.5", "diagnostics.skew_warn_ratio"),
     ],
 )

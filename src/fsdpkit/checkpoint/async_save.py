@@ -7,6 +7,15 @@ the same keys, shapes and dtypes; it is rebuilt only when that changes (e.g. the
 appears after the first step). At most one save is in flight, so the buffer is never written while
 a save still reads it: a new save first waits for the previous one.
 
+With `background_staging` (state in host memory only), even the copy leaves the loop: the save
+call returns once the state's structure is captured, the background thread copies the tensors
+into the buffer first, and a step pre-hook on the target's optimizer makes the next
+`optimizer.step()` wait until that copy is done. The state is then still the state at the save's
+step, provided nothing but `optimizer.step()` changes it in place before that step (true of
+fsdpkit's trainer; a loop that does, e.g. an in-place weight edit, calls `wait_staged()` first).
+The loop's wait in that hook counts in the save's `stall_s`. Tensors on an accelerator are always
+staged before the call returns (a device-to-host copy into pinned memory is fast).
+
 The background thread's collectives run on their own gloo group, which nothing else uses while a
 save is in flight; DCP's planning, the tensor checksums, the file-list gather and the commit
 barrier all go through it (sharing the training group from two threads mismatches collectives).
@@ -17,6 +26,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -35,6 +45,9 @@ log = logging.getLogger("fsdpkit.checkpoint")
 # Test hook: seconds the background thread sleeps before writing, so that tests can train on
 # while a save is provably still in flight.
 SLOW_WRITE_ENV = "FSDPKIT_TEST_SLOW_WRITE_S"
+# Test hook: seconds the background thread sleeps before a background-staging copy, so that tests
+# can prove that the next optimizer step waits for it.
+SLOW_STAGING_ENV = "FSDPKIT_TEST_SLOW_STAGING_S"
 
 
 @dataclass
@@ -59,12 +72,14 @@ class SaveResult:
 class AsyncSaver:
     """Stages state into a reused host buffer and writes it on one background thread."""
 
-    def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1):
-        self.group, self.thread_count = group, thread_count
+    def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1, background_staging: bool = False):
+        self.group, self.thread_count, self.background_staging = group, thread_count, background_staging
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
         self._buffer: dict[str, Any] | None = None
         self._signature: Any = None
         self._pending: tuple[SaveResult, Future] | None = None
+        self._staging: tuple[SaveResult, threading.Event] | None = None  # a background copy not yet known done
+        self._hooked: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
 
     @property
     def in_flight(self) -> SaveResult | None:
@@ -95,14 +110,31 @@ class AsyncSaver:
         t_waited = time.perf_counter()
         rank = tdist.get_rank(self.group) if tdist.is_initialized() else 0
         live = capture(target, step=step, meta=meta, rank=rank)
-        staged = Snapshot(step=step, state=self._stage(live.state), trainer=live.trainer, meta=meta)
         result = SaveResult(step=step, path=ckpt_dir, mode="async", wait_s=t_waited - t0)
+        copied = threading.Event()
+        if (self.background_staging and target.optimizer is not None
+                and not any(t.device.type != "cpu" for t in _tensors(live.state))):
+            self._ensure_buffer(live.state)
+            staged = Snapshot(step=step, state=_copy_into(live.state, self._buffer, copy_tensors=False),
+                              trainer=live.trainer, meta=meta)
+            self._guard(target.optimizer)
+            self._staging = (result, copied)
+        else:
+            staged = Snapshot(step=step, state=self._stage(live.state), trainer=live.trainer, meta=meta)
+            copied.set()
         result.stall_s = time.perf_counter() - t0
 
         def write() -> dict[str, Any]:
             t_bg, cpu_bg = time.perf_counter(), time.thread_time()
             watchdog.doing(f"background save of step {step}: writing and commit", slot=watchdog.BACKGROUND)
             try:
+                if not copied.is_set():
+                    try:
+                        time.sleep(float(os.environ.get(SLOW_STAGING_ENV, 0)))
+                        with torch.no_grad():
+                            _copy_tensors(live.state, self._buffer)
+                    finally:
+                        copied.set()  # an error is raised by wait(); the loop must not hang on it
                 time.sleep(float(os.environ.get(SLOW_WRITE_ENV, 0)))
                 manifest = write_snapshot(staged, ckpt_dir=ckpt_dir, group=self.group, thread_count=self.thread_count,
                                           on_commit=on_commit)
@@ -124,8 +156,28 @@ class AsyncSaver:
             return None
         result, future = self._pending
         self._pending = None
-        result.manifest = future.result()  # re-raises the background error here, on the caller's thread
+        try:
+            result.manifest = future.result()  # re-raises the background error here, on the caller's thread
+        finally:
+            self._staging = None
         return result
+
+    def wait_staged(self) -> None:
+        """Block until the save in flight has copied the state (background staging); the time
+        waited is added to that save's `stall_s`. A no-op otherwise. Call it before changing the
+        saved state in place other than through `optimizer.step()` (which calls it itself)."""
+        if self._staging is None:
+            return
+        result, copied = self._staging
+        t0 = time.perf_counter()
+        copied.wait()
+        result.stall_s += time.perf_counter() - t0
+        self._staging = None
+
+    def _guard(self, optimizer: torch.optim.Optimizer) -> None:
+        """A step pre-hook on `optimizer` (once) that waits for the background copy."""
+        if id(optimizer) not in self._hooked:
+            self._hooked[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
 
     def collect_if_ok(self) -> SaveResult | None:
         """The finished save's result if it succeeded; None while it runs, or if it failed (a
@@ -136,14 +188,21 @@ class AsyncSaver:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        self._staging = None
+        for handle in self._hooked.values():
+            handle.remove()
+        self._hooked.clear()
 
-    @torch.no_grad()
-    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+    def _ensure_buffer(self, state: dict[str, Any]) -> None:
         signature = _signature(state)
         if self._buffer is None or signature != self._signature:
             pin = torch.cuda.is_available() and any(t.is_cuda for t in _tensors(state))
             log.info("checkpoint: allocating the %sstaging buffer", "pinned " if pin else "")
             self._buffer, self._signature = _allocate(state, pin=pin), signature
+
+    @torch.no_grad()
+    def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
+        self._ensure_buffer(state)
         cuda = torch.cuda.is_available()
         staged = _copy_into(state, self._buffer, non_blocking=cuda)
         if cuda:
@@ -194,13 +253,23 @@ def _allocate(state: Any, *, pin: bool) -> Any:
     return None  # not a tensor: taken from the live state at every save
 
 
-def _copy_into(state: Any, buffer: Any, *, non_blocking: bool) -> Any:
-    """The state with every tensor copied into `buffer`; other values deep-copied (they are small)."""
+def _copy_into(state: Any, buffer: Any, *, non_blocking: bool = False, copy_tensors: bool = True) -> Any:
+    """The state with its tensors replaced by `buffer`'s (copied into it unless not `copy_tensors`);
+    other values deep-copied (they are small)."""
     if isinstance(state, dict):
-        return {k: _copy_into(v, buffer[k], non_blocking=non_blocking) for k, v in state.items()}
+        return {k: _copy_into(v, buffer[k], non_blocking=non_blocking, copy_tensors=copy_tensors)
+                for k, v in state.items()}
     if isinstance(state, list | tuple):
-        return type(state)(_copy_into(v, b, non_blocking=non_blocking) for v, b in zip(state, buffer, strict=True))
+        return type(state)(_copy_into(v, b, non_blocking=non_blocking, copy_tensors=copy_tensors)
+                           for v, b in zip(state, buffer, strict=True))
     if isinstance(state, torch.Tensor):
-        _local(buffer).copy_(_local(state), non_blocking=non_blocking)
+        if copy_tensors:
+            _local(buffer).copy_(_local(state), non_blocking=non_blocking)
         return buffer
     return copy.deepcopy(state)
+
+
+def _copy_tensors(state: Any, buffer: Any) -> None:
+    """Copy every tensor of `state` into its place in `buffer` (host memory: synchronous)."""
+    for src, dst in zip(_tensors(state), _tensors(buffer), strict=True):
+        _local(dst).copy_(_local(src))

@@ -158,7 +158,7 @@ class Checkpointer:
         on_event: called with every `{"event": "checkpoint" | "resume", ...}` record.
         groups: gloo groups to use (default: created here, collectively).
         **settings: the `checkpoint.*` settings (every_steps, every_minutes, save_at_end, resume,
-            resume_mode, existing, async_save, keep_last, keep_every, keep_best, keep_best_metric,
+            resume_mode, existing, async_save, async_staging, keep_last, keep_every, keep_best, keep_best_metric,
             keep_best_mode, verify_checksums, verify_on_load, timeout_s, exception_timeout_s,
             thread_count, on_exception, preemption_signals), plus state_dict_type (sharded|full).
     Raises:
@@ -210,7 +210,8 @@ class Checkpointer:
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
         self._mirror_of: tuple[CkptPath, CkptPath] | None = None  # (local copy, remote checkpoint) resumed from
-        self._async = AsyncSaver(group=self.groups.background, thread_count=c.thread_count) if c.async_save else None
+        self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count,
+                                  background_staging=c.async_staging == "background") if c.async_save else None)
 
     @classmethod
     def from_config(cls, cfg: CheckpointConfig, **kwargs: Any) -> Checkpointer:

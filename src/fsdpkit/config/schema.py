@@ -307,6 +307,12 @@ class CheckpointConfig:
     commit follow on a background thread, and `latest` moves once every rank committed. At most one
     save is in flight; a failed background save stops training at the next step on every rank.
     Needs strategy.state_dict_type=sharded."""
+    async_staging: str = "blocking"
+    """With async_save, when the state is copied into the host buffer: `blocking` (the save step
+    waits for the copy) or `background` (the copy too runs on the background thread; the next
+    optimizer step waits for it if it is not done, so the checkpoint is still the state at its step).
+    `background` applies to state in host memory (CPU training); on an accelerator the
+    device-to-host copy always blocks (it is fast)."""
     keep_last: int = 0
     """Retention: keep the newest this many checkpoints. Retention is on when any keep_* is > 0;
     a checkpoint survives when any rule keeps it. The newest committed checkpoint, checkpoints
