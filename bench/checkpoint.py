@@ -30,7 +30,8 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
   (FileSystemWriter, sync_files=True) and rank-0 `torch.save` of the full state dict gathered by
   `get_state_dict(full_state_dict=True, cpu_offload=True)` + fsync. Durable GB/s = bytes of model
   and optimizer state over all ranks / that time.
-- B2 async stall: for fsdpkit `AsyncSaver.save`, `dcp.async_save` (FileSystemWriter staging) and
+- B2 async stall: for fsdpkit `AsyncSaver.save` (blocking staging, and background staging, whose
+  stall is the call plus the next optimizer step's wait for the copy), `dcp.async_save` (FileSystemWriter staging) and
   `dcp.async_save` with a reused `DefaultStager(StagingOptions(False, False, False, False))`, each on
   its own gloo group: the time until the call returned (max over ranks; state dict capture
   included), and the time until durable (fsdpkit: return + the SaveResult's background_s; DCP: a
@@ -42,22 +43,25 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
   the kernel's VmHWM, reset before each save (clear_refs). Reported: the absolute peak, its
   increase over the RSS just before the save (after gc + malloc_trim), and the footprint
   peak - RSS of the same process before the model existed, relative to this rank's state bytes S;
-  the targets compare that footprint (sync <= 1.1 S + 256 MiB, async <= 2.1 S). Max over ranks and
+  the targets compare that footprint (sync <= 1.1 S + 256 MiB, async <= 2.1 S), and what an async
+  save adds over training alone (the RSS before a dcp.save: <= 1.1 S). Max over ranks and
   over --b3-runs runs (for memory the worst case is the figure that matters).
 - B4 load: a checkpoint saved by fsdpkit on 2 ranks, loaded on 2 ranks after evicting its pages
   (posix_fadvise): fsdpkit `load_checkpoint` with and without verify, and plain dcp.load +
   set_state_dict. B5 elastic load: the same checkpoint loaded on 1 and on 3 ranks (separate
   torchrun launches); time relative to the 2-rank load.
 - B6 goodput: --b6-steps fixed-cost steps, a save every --b6-every steps, for no checkpoint,
-  fsdpkit sync, fsdpkit AsyncSaver and dcp.async_save, state --b6-size-gib; --b6-rounds runs of
-  each (medians), in the order A B C D, then D C B A, ...; on 2 ranks (no core free on a 2-core
+  fsdpkit sync, fsdpkit AsyncSaver (blocking and background staging) and dcp.async_save, state
+  --b6-size-gib; --b6-rounds runs of each (medians), in the order A B C D E, then E D C B A, ...;
+  a thread of rank 0 that sleeps 5 ms at a time measures how late it wakes (GIL or core wait); on 2 ranks (no core free on a 2-core
   machine) and on 1 rank (a core free for the background work, as on GPU nodes). Overhead =
   median loop time / that without checkpoints - 1; the loop ends when the last step's save call
   returned, and the time from then until that save is durable (drain) is reported apart. The
   process CPU time of each run (all threads) minus that without checkpoints is the work the saves
   add; fsdpkit's per-phase wall and CPU times come from its manifests. A fixed-cost step is a
-  burst of [512, 512] matmuls calibrated to --step-ms, an in-place add on every model and
-  optimizer shard (so the async snapshot races with mutation) and a one-element all-reduce: a
+  burst of [512, 512] matmuls calibrated to --step-ms, `optimizer.step()` without gradients (it
+  updates nothing but runs the step pre-hooks, where background staging waits), an in-place add on
+  every model and optimizer shard (so the async snapshot races with mutation) and a one-element all-reduce: a
   real forward/backward/AdamW step of this model takes seconds on 2 CPU cores. B2 runs the same
   step while its saves are in flight.
 - B7 whole resume and B8 scaling: see bench/checkpoint_resume.py.
