@@ -28,6 +28,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,7 +80,7 @@ class AsyncSaver:
         self._signature: Any = None
         self._pending: tuple[SaveResult, Future] | None = None
         self._staging: tuple[SaveResult, threading.Event] | None = None  # a background copy not yet known done
-        self._hooked: dict[int, Any] = {}  # id(optimizer) -> its step pre-hook's handle
+        self._hooked: list[tuple[weakref.ref, Any]] = []  # (optimizer, its step pre-hook's handle)
 
     @property
     def in_flight(self) -> SaveResult | None:
@@ -176,8 +177,8 @@ class AsyncSaver:
 
     def _guard(self, optimizer: torch.optim.Optimizer) -> None:
         """A step pre-hook on `optimizer` (once) that waits for the background copy."""
-        if id(optimizer) not in self._hooked:
-            self._hooked[id(optimizer)] = optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+        if not any(ref() is optimizer for ref, _ in self._hooked):
+            self._hooked.append((weakref.ref(optimizer), optimizer.register_step_pre_hook(lambda *_: self.wait_staged())))
 
     def collect_if_ok(self) -> SaveResult | None:
         """The finished save's result if it succeeded; None while it runs, or if it failed (a
@@ -189,7 +190,7 @@ class AsyncSaver:
     def close(self) -> None:
         self._executor.shutdown(wait=True)
         self._staging = None
-        for handle in self._hooked.values():
+        for _, handle in self._hooked:
             handle.remove()
         self._hooked.clear()
 

@@ -398,6 +398,13 @@ class Checkpointer:
         self.last_saved_step = step
         return path
 
+    def wait_staged(self) -> None:
+        """With `async_staging="background"`: block until the save in flight has copied the state.
+        `optimizer.step()` does this itself; call it before changing the model's or the
+        optimizer's state in place any other way while a save may be in flight. A no-op otherwise."""
+        if self._async is not None:
+            self._async.wait_staged()
+
     def close(self, *, wait: bool = True) -> None:
         """Collective (with `wait`): wait for the save in flight (its errors are raised here), then
         release the directory and the signal handlers. `wait=False` after a failure: a peer may be
