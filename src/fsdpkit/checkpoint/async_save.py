@@ -112,9 +112,10 @@ class AsyncSaver:
         rank = tdist.get_rank(self.group) if tdist.is_initialized() else 0
         live = capture(target, step=step, meta=meta, rank=rank)
         result = SaveResult(step=step, path=ckpt_dir, mode="async", wait_s=t_waited - t0)
+        background = (self.background_staging and target.optimizer is not None
+                      and not any(t.device.type != "cpu" for t in _tensors(live.state)))
         copied = threading.Event()
-        if (self.background_staging and target.optimizer is not None
-                and not any(t.device.type != "cpu" for t in _tensors(live.state))):
+        if background:
             self._ensure_buffer(live.state)
             staged = Snapshot(step=step, state=_copy_into(live.state, self._buffer, copy_tensors=False),
                               trainer=live.trainer, meta=meta)
@@ -122,14 +123,13 @@ class AsyncSaver:
             self._staging = (result, copied)
         else:
             staged = Snapshot(step=step, state=self._stage(live.state), trainer=live.trainer, meta=meta)
-            copied.set()
         result.stall_s = time.perf_counter() - t0
 
         def write() -> dict[str, Any]:
             t_bg, cpu_bg = time.perf_counter(), time.thread_time()
             watchdog.doing(f"background save of step {step}: writing and commit", slot=watchdog.BACKGROUND)
             try:
-                if not copied.is_set():
+                if background:
                     try:
                         time.sleep(float(os.environ.get(SLOW_STAGING_ENV, 0)))
                         with torch.no_grad():

@@ -6,7 +6,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
@@ -225,9 +225,9 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
         # object storage has no verifying reader: stream every file's checksum first (two reads)
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
         check_files = False
-    reader = (safe_reader(ckpt_dir) if is_url(ckpt_dir)
-              else ReadAheadFileSystemReader(ckpt_dir, sizes={n: i["size"] for n, i in files.items()},
-                                             hash_files=check_files))
+    local = None if is_url(ckpt_dir) else ReadAheadFileSystemReader(
+        ckpt_dir, sizes={n: i["size"] for n, i in files.items()}, hash_files=check_files)
+    reader = local if local is not None else safe_reader(ckpt_dir)
     if check_files and METADATA_FILENAME in files:  # small; checked before anything reads it
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": {METADATA_FILENAME: files[METADATA_FILENAME]}},
                                                  group=group))
@@ -245,10 +245,10 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
         if check_files:
             _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
         raise
-    if check_files:
+    if check_files and local is not None:  # (on object storage the files were verified before the load)
         rest = {n: i for n, i in files.items() if n != METADATA_FILENAME}  # checked before it was unpickled
-        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": rest}, cast(ReadAheadFileSystemReader, reader).digests,
-                                                  group=group, verify_rest=lambda d, m: verify_files(d, m, group=group)))
+        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": rest}, local.digests, group=group,
+                                                  verify_rest=lambda d, m: verify_files(d, m, group=group)))
     target.restore_tensors(state)
     tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
     return (state["rng"][f"rank{rank}"] if "rng" in state else None), tensors

@@ -226,45 +226,12 @@ def tensor_in_blob(blob: memoryview, *, source: str) -> torch.Tensor:
     return flat.as_strided(payload.shape, payload.stride)
 
 
-class MemoryReader(io.RawIOBase):
-    """A seekable read-only file over a memoryview, without copying it (io.BytesIO would)."""
+class _Window(io.RawIOBase):
+    """A read-only, seekable file of `length` bytes; subclasses say where the bytes come from."""
 
-    def __init__(self, view: memoryview) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
-        self._view, self._pos = view, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, b) -> int:
-        out = memoryview(b).cast("B")
-        n = max(0, min(len(out), len(self._view) - self._pos))
-        out[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
-class FileWindow(io.RawIOBase):
-    """A read-only, seekable view of bytes [start, start + length) of an open binary file.
-
-    Why not DCP's `_create_file_view`: zipfile seeks relative to the end of the archive, which
-    that view does not support.
-    """
-
-    def __init__(self, raw: IO[bytes], start: int, length: int) -> None:
-        super().__init__()
-        self._raw, self._start, self._length, self._pos = raw, start, length, 0
+        self._length, self._pos = length, 0
 
     def readable(self) -> bool:
         return True
@@ -279,6 +246,33 @@ class FileWindow(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
         self._pos = max(0, base + offset)
         return self._pos
+
+
+class MemoryReader(_Window):
+    """A seekable read-only file over a memoryview, without copying it (io.BytesIO would)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__(len(view))
+        self._view = view
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), self._length - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+
+class FileWindow(_Window):
+    """A read-only, seekable view of bytes [start, start + length) of an open binary file.
+
+    Why not DCP's `_create_file_view`: zipfile seeks relative to the end of the archive, which
+    that view does not support.
+    """
+
+    def __init__(self, raw: IO[bytes], start: int, length: int) -> None:
+        super().__init__(length)
+        self._raw, self._start = raw, start
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")

@@ -35,7 +35,7 @@ from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
 from fsdpkit.checkpoint.torch_save import MemoryReader, tensor_in_blob
 
 READ_AHEAD_BYTES = int(os.environ.get("FSDPKIT_LOAD_READ_AHEAD_BYTES", str(64 << 20)))
-"""Bytes a verifying load reads ahead of deserialisation (at least one item, whatever its size)."""
+"""Bytes a load reads ahead of the copies into the targets (at least one item, whatever its size)."""
 
 
 class ReadAheadFileSystemReader(SafeFileSystemReader):
@@ -83,13 +83,14 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         return fut
 
     def _read_ahead(self, name: str, ordered: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, memoryview]]:
-        """(item, storage info, its bytes) in file order; a worker thread reads and hashes up to
-        READ_AHEAD_BYTES ahead (reads and xxh3 release the GIL), so the disk streams while the
-        caller deserialises. Records the file's (size, digest) once it was read to the end.
+        """(item, storage info, its bytes) in file order; a worker thread reads (and, with
+        `hash_files`, hashes) up to READ_AHEAD_BYTES ahead (reads and xxh3 release the GIL), so the
+        disk streams while the caller copies tensors out. With `hash_files`, records the file's
+        (size, digest) once it was read to the end.
 
         The bytes land in buffers reused from item to item (a view is valid until the caller asks
         for the next item): a fresh buffer per item costs a page fault per 4 KiB, and faults taken
-        by this thread and by `torch.load`'s allocations on the caller's serialise in the kernel."""
+        by this thread and by the caller serialise in the kernel."""
         digest, size = xxhash.xxh3_64(), [0]
         buffers = _Buffers()
         with (self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream,
