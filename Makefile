@@ -33,6 +33,7 @@ bench: $(STAMP)
 	-$(BIN)/python bench/export.py
 	-$(BIN)/python bench/data.py
 	-$(BIN)/python bench/s3.py
+	-$(BIN)/python bench/gil.py
 	$(BIN)/python bench/results_md.py --since $$(cat bench/.bench_started)
 
 # The CUDA/NCCL paths on one GPU (skipped, with the reason, without CUDA; CI has none), and the GPU

@@ -26,6 +26,7 @@ BENCHES = (  # (json, title, script)
     ("overhead.json", "Trainer overhead", "bench/overhead.py"),
     ("data.json", "Data pipeline", "bench/data.py"),
     ("s3.json", "Checkpoints on object storage (loopback S3 server)", "bench/s3.py"),
+    ("gil.json", "A save's row checksums beside a training thread (GIL)", "bench/gil.py"),
 )
 
 
