@@ -30,21 +30,6 @@ def test_split_invariant_and_sensitive(algorithm, dtype):
     assert hash_part(t[1:], first_row=0, algorithm=algorithm) != hash_part(t[1:], first_row=1, algorithm=algorithm)
 
 
-def test_handing_the_gil_over_changes_no_checksum(monkeypatch):
-    """The row loop of a background save sleeps briefly every SHARE_GIL_EVERY_S; the sum is the
-    same, and the handover really happened (the hook counts the sleeps)."""
-    import fsdpkit.checkpoint.hashing as hashing
-
-    t = torch.randn(20_000, 16, generator=torch.Generator().manual_seed(1))
-    naps, real_sleep = [], hashing.time.sleep
-    monkeypatch.setattr(hashing.time, "sleep", lambda s: (naps.append(s), real_sleep(s)))
-    monkeypatch.setattr(hashing, "SHARE_GIL_EVERY_S", 0.0)  # hand over at every check
-    shared = hash_part(t, first_row=5, algorithm=ROWS, share_gil=True)
-    assert len(naps) == -(-20_000 // hashing._ROWS_PER_CHECK)
-    assert shared == hash_part(t, first_row=5, algorithm=ROWS)
-    assert shared != hash_part(t, first_row=6, algorithm=ROWS, share_gil=True)
-
-
 def test_unknown_algorithm_is_an_error():
     with pytest.raises(ValueError, match="unknown tensor hash algorithm"):
         hash_part(torch.zeros(2, 2), first_row=0, algorithm="md5")

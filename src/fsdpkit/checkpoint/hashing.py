@@ -22,7 +22,6 @@ import io
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -40,9 +39,6 @@ ROWS, LINEAR = "xxh3_64-rows", "linear"  # tensor hash algorithms (see above)
 MASK64 = (1 << 64) - 1
 HASH_CHUNK_ELEMS = int(os.environ.get("FSDPKIT_HASH_CHUNK_ELEMS", str(1 << 22)))
 READ_CHUNK_BYTES = 8 << 20
-# A row-hashing loop beside a training loop hands the GIL over this often (see `_rows_hash`).
-SHARE_GIL_EVERY_S = 5e-5
-_ROWS_PER_CHECK, _HANDOVER_SLEEP_S = 32, 1e-5
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 
@@ -233,39 +229,24 @@ def _partial_hash(local: torch.Tensor, first_index: int) -> int:
     return int(total)
 
 
-def _rows_hash(local: torch.Tensor, first_row: int, *, share_gil: bool = False) -> int:
-    """Sum over rows of xxh3-64(row bytes, seed=global row index), mod 2**64, as a signed int64.
-
-    The loop makes a Python call per row and holds the GIL while it runs (python-xxhash's one-shot
-    digest does not release it). On a background thread that starves the training thread: each of
-    its ops releases the GIL and then waits up to the interpreter's switch interval (5 ms) to get it
-    back, so a loop of small ops ran ~300x slower while a save hashed. `share_gil` hands the GIL
-    over every SHARE_GIL_EVERY_S (a short sleep: a waiting thread takes it): such a loop then keeps
-    about half its speed, for ~4x the hashing wall time (hidden behind the write) and ~1.6x its CPU
-    time (`bench/gil.py`)."""
+def _rows_hash(local: torch.Tensor, first_row: int) -> int:
+    """Sum over rows of xxh3-64(row bytes, seed=global row index), mod 2**64, as a signed int64."""
     t = local.detach().cpu().contiguous()
     rows = t.shape[0]
     if rows == 0 or t.numel() == 0:
         return 0
     raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
     row_bytes = len(raw) // rows
-    digest, total = xxhash.xxh3_64_intdigest, 0
-    handover = time.perf_counter() + SHARE_GIL_EVERY_S
-    for start in range(0, rows, _ROWS_PER_CHECK):
-        for i in range(start, min(rows, start + _ROWS_PER_CHECK)):
-            total += digest(raw[i * row_bytes : (i + 1) * row_bytes], seed=first_row + i)
-        if share_gil and time.perf_counter() > handover:
-            time.sleep(_HANDOVER_SLEEP_S)
-            handover = time.perf_counter() + SHARE_GIL_EVERY_S
+    total = 0
+    for i in range(rows):
+        total += xxhash.xxh3_64_intdigest(raw[i * row_bytes : (i + 1) * row_bytes], seed=first_row + i)
     total &= MASK64
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
-def hash_part(local: torch.Tensor, *, first_row: int, algorithm: str, share_gil: bool = False) -> int:
-    """One part's share of a tensor checksum (rows `first_row`... of the whole); `share_gil` when
-    it runs beside a training loop (see `_rows_hash`)."""
+def hash_part(local: torch.Tensor, *, first_row: int, algorithm: str) -> int:
     if algorithm == ROWS and local.dim() >= 2:
-        return _rows_hash(local, first_row, share_gil=share_gil)
+        return _rows_hash(local, first_row)
     if algorithm not in (ROWS, LINEAR):
         raise ValueError(f"unknown tensor hash algorithm {algorithm!r} (known: {ROWS}, {LINEAR})")
     row_elems = local[0].numel() if local.dim() and local.shape[0] else 0
@@ -281,10 +262,10 @@ def _rank(group: tdist.ProcessGroup | None) -> int:
     return tdist.get_rank(group) if tdist.is_initialized() else 0
 
 
-def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algorithm: str, share_gil: bool) -> int:
+def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algorithm: str) -> int:
     """This rank's share of the hash; replicas (of plain tensors or Replicate dims) count once."""
     if not isinstance(t, DTensor):
-        return hash_part(t, first_row=0, algorithm=algorithm, share_gil=share_gil) if _rank(group) == 0 else 0
+        return hash_part(t, first_row=0, algorithm=algorithm) if _rank(group) == 0 else 0
     coord = t.device_mesh.get_coordinate()
     if coord is None or any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord, strict=True)):
         return 0
@@ -292,14 +273,14 @@ def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algor
     _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
     if any(offset[1:]):
         raise NotImplementedError(f"tensor hashing supports dim-0 sharding only, got {t.placements}")
-    return hash_part(local, first_row=offset[0] if local.dim() else 0, algorithm=algorithm, share_gil=share_gil)
+    return hash_part(local, first_row=offset[0] if local.dim() else 0, algorithm=algorithm)
 
 
 def local_contributions(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None,
-                        algorithm: str = ROWS, share_gil: bool = False) -> dict[str, int]:
+                        algorithm: str = ROWS) -> dict[str, int]:
     """This rank's share of every tensor's checksum (no collective: it may run on a worker thread
-    while the files are written, with `share_gil`; `reduce_contributions` then sums the shares)."""
-    return {k: _local_contribution(tensors[k], group, algorithm, share_gil) for k in sorted(tensors)}
+    while the files are written; `reduce_contributions` then sums the shares over ranks)."""
+    return {k: _local_contribution(tensors[k], group, algorithm) for k in sorted(tensors)}
 
 
 def reduce_contributions(local: dict[str, int], *, group: tdist.ProcessGroup | None) -> dict[str, str]:

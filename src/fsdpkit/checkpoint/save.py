@@ -88,7 +88,7 @@ def _write_and_hash(state: dict[str, Any], write: Callable[[], Any], *,
 
     def shares() -> tuple[dict[str, int], float, float]:
         t0, c0 = time.perf_counter(), time.thread_time()
-        local = local_contributions(tensors, group=group, algorithm=algorithm, share_gil=True)
+        local = local_contributions(tensors, group=group, algorithm=algorithm)
         return local, time.perf_counter() - t0, time.thread_time() - c0
 
     t0, c0 = time.perf_counter(), time.thread_time()
