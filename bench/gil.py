@@ -35,9 +35,9 @@ OP_SIZE = 256  # a 256 x 256 in-place multiply: ~10 us, the size of a small op o
 TARGET = 1.1  # training time lost to the row checksums <= this x their own CPU time (no waste beyond the work)
 
 
-def window(background, ops: list[int]) -> tuple[float, float, float]:
+def window(background) -> tuple[float, float, float]:
     """(training-thread ops/s, wall s, thread CPU s) while `background()` runs on this thread."""
-    stop = threading.Event()
+    stop, ops = threading.Event(), [0]
 
     def train() -> None:
         a = torch.randn(OP_SIZE, OP_SIZE)
@@ -65,7 +65,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cols = args.row_kib * 256
     state = torch.randn(args.mib * 2**20 // (cols * 4), cols)
-    hash_s = statistics.median(window(lambda: hash_part(state, first_row=0, algorithm="xxh3_64-rows"), [0])[1]
+    hash_s = statistics.median(window(lambda: hash_part(state, first_row=0, algorithm="xxh3_64-rows"))[1]
                                for _ in range(3))
     raw = memoryview(state.reshape(-1).view(torch.uint8).numpy())
 
@@ -80,7 +80,7 @@ def main() -> None:
     runs: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     for _ in range(args.runs):  # modes interleaved, so drift on the machine hits all alike
         for mode, fn in modes.items():
-            runs[mode].append(window(fn, [0]))
+            runs[mode].append(window(fn))
     alone = statistics.median(r[0] for r in runs["no background work (baseline)"])
     rows = []
     for mode, rs in runs.items():
