@@ -58,3 +58,68 @@ def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes()
         data = raw.getvalue()
         assert got == {"size": len(data), "digest": xxhash.xxh3_64(data).hexdigest()}
         assert len(data) == 6 + (2 << 20) + 100 + (5 << 20) - (7 if isinstance(raw, Short) else 0)
+
+
+def _native_rows_sum():
+    """fsdpkit's C row hash; skips only where no C compiler could have built it."""
+    import shutil
+    import sysconfig
+
+    from fsdpkit.checkpoint import hashing
+
+    if hashing._native_rows_sum is None:
+        if shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC") else "cc"):
+            pytest.fail("a C compiler is here but fsdpkit.checkpoint._rowhash was not built: reinstall "
+                        "fsdpkit (pip install -e .) and read the compiler's error")
+        pytest.skip("no C compiler: fsdpkit runs its Python row hash")
+    return hashing._native_rows_sum
+
+
+def test_native_row_hash_equals_the_python_loop():
+    """The C extension and the python-xxhash loop give the same sums for every xxh3 size class
+    (1-16, 17-128, 129-240 bytes and longer), any seed, and any dtype; bad shapes are errors."""
+    from fsdpkit.checkpoint.hashing import _rows_hash, rows_sum_python
+
+    native = _native_rows_sum()
+    gen = torch.Generator().manual_seed(1)
+    for row_bytes in (1, 3, 8, 16, 17, 100, 128, 129, 240, 241, 1000, 4096, 8192 + 5):
+        raw = memoryview(torch.randint(0, 256, (7 * row_bytes,), dtype=torch.uint8, generator=gen).numpy())
+        for first_row in (0, 1, 12345, (1 << 64) - 7):
+            assert native(raw, row_bytes, first_row) == rows_sum_python(raw, row_bytes, first_row), (row_bytes, first_row)
+    for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float64):
+        t = (torch.randn(50, 33, generator=gen) * 50).to(dtype)[:, 1:]  # not contiguous
+        assert _rows_hash(t, 3, native=True) == _rows_hash(t, 3, native=False)
+    with pytest.raises(ValueError, match="not a whole number of 5-byte rows"):
+        native(b"x" * 12, 5, 0)
+    with pytest.raises(ValueError):
+        native(b"x" * 10, 0, 0)
+
+
+def test_native_row_hash_releases_the_gil():
+    """Another Python thread runs while the C row hash works: its timestamps fall inside the
+    call (a call holding the GIL, as python-xxhash's one-shot digest does, allows none there)."""
+    import threading
+    import time
+
+    native = _native_rows_sum()
+    raw = memoryview(torch.ones(256 << 20, dtype=torch.uint8).numpy())
+    for _ in range(5):  # a loaded machine may not schedule the other thread within one call
+        stamps, stop = [], threading.Event()
+
+        def tick(stamps=stamps, stop=stop):
+            while not stop.is_set():
+                stamps.append(time.perf_counter())
+                time.sleep(0.0005)
+
+        thread = threading.Thread(target=tick)
+        thread.start()
+        time.sleep(0.01)
+        t0 = time.perf_counter()
+        native(raw, 4096, 0)
+        t1 = time.perf_counter()
+        stop.set()
+        thread.join()
+        inside = [s for s in stamps if t0 + 0.25 * (t1 - t0) < s < t0 + 0.75 * (t1 - t0)]
+        if inside:
+            return
+    pytest.fail(f"no other thread ran during a {1e3 * (t1 - t0):.0f} ms call: the GIL was held")

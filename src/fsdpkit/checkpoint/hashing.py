@@ -11,7 +11,9 @@ which rows and of summation order, and any changed, missing or moved part change
 
 - `xxh3_64-rows` (tensors in host memory): xxh3-64 of each row's bytes, seeded by its global row
   index; tensors of fewer than 2 dims use the linear formula below. ~100x faster than `linear`
-  on a CPU (xxh3 runs at memory speed; int64 tensor arithmetic does not).
+  on a CPU (xxh3 runs at memory speed; int64 tensor arithmetic does not). Computed by a small C
+  extension (`_rowhash`, one call per tensor, GIL released) where it was built, else by a Python
+  loop over python-xxhash, which gives the same sums but holds the GIL (bench/gil.py).
 - `linear` (tensors on an accelerator, where it is fast): each element contributes
   `bits(value) * (2 * global_index + 1) * golden`, summed with int64 wrap-around.
 """
@@ -40,6 +42,12 @@ MASK64 = (1 << 64) - 1
 HASH_CHUNK_ELEMS = int(os.environ.get("FSDPKIT_HASH_CHUNK_ELEMS", str(1 << 22)))
 READ_CHUNK_BYTES = 8 << 20
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
+
+try:  # built by `pip install` where a C compiler is found (setup.py); optional
+    from fsdpkit.checkpoint._rowhash import rows_sum as _native_rows_sum
+except ImportError:
+    _native_rows_sum = None
+NATIVE_ROW_HASH = _native_rows_sum is not None and os.environ.get("FSDPKIT_PYTHON_ROW_HASH") != "1"
 
 
 _overlap_pool: ThreadPoolExecutor | None = None
@@ -229,18 +237,28 @@ def _partial_hash(local: torch.Tensor, first_index: int) -> int:
     return int(total)
 
 
-def _rows_hash(local: torch.Tensor, first_row: int) -> int:
-    """Sum over rows of xxh3-64(row bytes, seed=global row index), mod 2**64, as a signed int64."""
+def rows_sum_python(raw: memoryview, row_bytes: int, first_row: int) -> int:
+    """The fallback of `_rowhash.rows_sum`: the same sum, one python-xxhash call per row (holds the GIL)."""
+    total = 0
+    for i in range(len(raw) // row_bytes):
+        total += xxhash.xxh3_64_intdigest(raw[i * row_bytes : (i + 1) * row_bytes], seed=first_row + i)
+    return total & MASK64
+
+
+def _rows_hash(local: torch.Tensor, first_row: int, *, native: bool | None = None) -> int:
+    """Sum over rows of xxh3-64(row bytes, seed=global row index), mod 2**64, as a signed int64.
+    `native`: use the C extension (default: where built, unless FSDPKIT_PYTHON_ROW_HASH=1)."""
     t = local.detach().cpu().contiguous()
     rows = t.shape[0]
     if rows == 0 or t.numel() == 0:
         return 0
     raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
     row_bytes = len(raw) // rows
-    total = 0
-    for i in range(rows):
-        total += xxhash.xxh3_64_intdigest(raw[i * row_bytes : (i + 1) * row_bytes], seed=first_row + i)
-    total &= MASK64
+    native = NATIVE_ROW_HASH if native is None else native
+    if native and _native_rows_sum is None:
+        raise RuntimeError("fsdpkit's C row hash (fsdpkit.checkpoint._rowhash) was not built; "
+                           "reinstall fsdpkit where a C compiler is found")
+    total = (_native_rows_sum if native else rows_sum_python)(raw, row_bytes, first_row)
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
