@@ -28,8 +28,11 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
 - B1 sync save: wall time from a barrier until the last rank returned (= committed) for
   fsdpkit `save_checkpoint` (meta built as Checkpointer._meta builds it), plain `dcp.save`
   (FileSystemWriter, sync_files=True) and rank-0 `torch.save` of the full state dict gathered by
-  `get_state_dict(full_state_dict=True, cpu_offload=True)` + fsync. Durable GB/s = bytes of model
-  and optimizer state over all ranks / that time.
+  `get_state_dict(full_state_dict=True, cpu_offload=True)` + fsync, and, in the same rotation, the
+  disk's ceiling at that moment: every rank writes its own state bytes to a new file in 16 MiB
+  os.write calls and fsyncs it (the B1 "x disk" target uses it; the ceilings measured before the
+  benchmarks are reported beside it). Durable GB/s = bytes of model and optimizer state over all
+  ranks / that time.
 - B2 async stall: for fsdpkit `AsyncSaver.save` (blocking staging, and background staging, whose
   stall is the call plus the next optimizer step's wait for the copy), `dcp.async_save` (FileSystemWriter staging) and
   `dcp.async_save` with a reused `DefaultStager(StagingOptions(False, False, False, False))`, each on

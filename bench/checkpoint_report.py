@@ -8,6 +8,7 @@ MiB = 2**20
 FSDPKIT_SYNC = "fsdpkit save_checkpoint"
 DCP_SYNC = "dcp.save"
 TORCH_SYNC = "torch.save (rank 0, full)"
+RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"  # B1's in-run disk ceiling
 FSDPKIT_ASYNC = "fsdpkit AsyncSaver"
 FSDPKIT_ASYNC_BG = "fsdpkit AsyncSaver, background staging"
 FSDPKIT_LOAD = "fsdpkit load_checkpoint"
@@ -66,9 +67,16 @@ def _b1(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, lines
                      f"{m['hash_wait_s'] * 1e3:.0f} ms, summed over ranks {m['hash_reduce_s'] * 1e3:.0f} ms; "
                      f"whole save in the manifest {m['total_s']:.2f} s")
     gbps = total / med[FSDPKIT_SYNC] / 1e9
-    _target(targets, f"B1 fsdpkit sync durable GB/s / disk write+fsync GB/s ({n} streams at once, as {n} ranks)", size,
-            gbps / disk, ">= 0.8", gbps / disk >= 0.8,
-            f"{gbps:.2f} / {disk:.2f} = {gbps / disk:.2f} (1-stream ceiling {one:.2f}: {gbps / one:.2f})")
+    others = f"the ceilings measured before the benchmarks: {n} streams {disk:.2f}: {gbps / disk:.2f}, 1 stream {one:.2f}: {gbps / one:.2f}"
+    if RAW_WRITE in med:  # the ceiling timed in the same rotation as the saves: same ranks, bytes and moment
+        raw = total / med[RAW_WRITE] / 1e9
+        _target(targets, f"B1 fsdpkit sync durable GB/s / raw write+fsync GB/s of the same bytes ({n} ranks at once, "
+                "timed in the same rotation)", size, gbps / raw, ">= 0.8", gbps / raw >= 0.8,
+                f"{gbps:.2f} / {raw:.2f} = {gbps / raw:.2f} ({others})")
+    else:
+        _target(targets, f"B1 fsdpkit sync durable GB/s / disk write+fsync GB/s ({n} streams at once, as {n} ranks)",
+                size, gbps / disk, ">= 0.8", gbps / disk >= 0.8, f"{gbps:.2f} / {disk:.2f} = {gbps / disk:.2f} "
+                f"(1-stream ceiling {one:.2f}: {gbps / one:.2f})")
     r = med[FSDPKIT_SYNC] / med[DCP_SYNC]
     _target(targets, "B1 fsdpkit sync time / dcp.save time", size, r, "<= 1.05", r <= 1.05,
             f"{med[FSDPKIT_SYNC]:.2f} s / {med[DCP_SYNC]:.2f} s = {r:.2f}")
@@ -364,7 +372,8 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
           f"{'n/a' if t['met'] is None else 'met' if t['met'] else '**NOT met**'} |" for t in targets),
     ]
     if b1:
-        out += ["", "### B1 sync save (wall time until committed, 2 ranks; GB/s = all ranks' state bytes / time)",
+        out += ["", "### B1 sync save (wall time until committed, 2 ranks; GB/s = all ranks' state bytes / time; the methods "
+                "rotate, the raw write of the same bytes among them as the disk's ceiling at this moment)",
                 "| size GiB | method | median s | min–max (n) | durable GB/s | × disk, 2 streams (1 stream) | "
                 "time / dcp.save | time / fsdpkit |",
                 "|---|---|---|---|---|---|---|---|", *b1, *b1_notes]

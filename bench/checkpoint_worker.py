@@ -314,8 +314,26 @@ def save_torch(b: Bench, root: Path) -> None:
             os.fsync(f.fileno())
 
 
+def write_raw(b: Bench, root: Path) -> None:
+    """The disk's ceiling for this save, taken beside it: every rank writes its own state bytes
+    (the same bytes a save writes) to a new file in 16 MiB os.write calls, then fsyncs it."""
+    root.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root / f"raw_{b.rank}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for t in local_tensors(b, with_steps=True):
+            raw = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+            for i in range(0, len(raw), RAW_CHUNK):
+                os.write(fd, raw[i : i + RAW_CHUNK])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+RAW_CHUNK = 16 << 20
 SYNC_SAVES: dict[str, Callable[[Bench, Path], Any]] = {
     "fsdpkit save_checkpoint": save_fsdpkit, "dcp.save": save_dcp, "torch.save (rank 0, full)": save_torch}
+RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"
+B1_METHODS = {**SYNC_SAVES, RAW_WRITE: write_raw}  # B1 times the ceiling in the same rotation as the saves
 
 
 class AsyncMethod:
@@ -383,13 +401,13 @@ FIRST_REPORTED = ("fsdpkit AsyncSaver", FSDPKIT_ASYNC_BG, "dcp.async_save + Defa
 
 # -- B1: synchronous save --------------------------------------------------------------------
 def bench_b1(b: Bench, root: Path, runs: int) -> dict[str, Any]:
-    names = list(SYNC_SAVES)
+    names = list(B1_METHODS)
     times: dict[str, list[float]] = {n: [] for n in names}
     fsdpkit_timings = []
     for r in range(runs):
         for name in names[r % len(names):] + names[: r % len(names)]:  # rotate: no method always first
             path = root / f"b1_{r}"
-            out, dt = timed(lambda: SYNC_SAVES[name](b, path), b.sync_group)  # noqa: B023 - called at once
+            out, dt = timed(lambda: B1_METHODS[name](b, path), b.sync_group)  # noqa: B023 - called at once
             times[name].append(dt)
             if name == "fsdpkit save_checkpoint" and b.rank == 0:
                 fsdpkit_timings.append(out["timings"])
