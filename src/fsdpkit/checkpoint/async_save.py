@@ -23,7 +23,6 @@ barrier all go through it (sharing the training group from two threads mismatche
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import threading
@@ -35,11 +34,18 @@ from typing import Any
 
 import torch
 import torch.distributed as tdist
-from torch.distributed.tensor import DTensor
 
 from fsdpkit import watchdog
 from fsdpkit.checkpoint.layout import CkptPath
 from fsdpkit.checkpoint.save import Snapshot, capture, write_snapshot
+from fsdpkit.checkpoint.staging import (
+    allocate,
+    copy_into,
+    copy_tensors,
+    copy_threads,
+    signature,
+    tensors,
+)
 from fsdpkit.checkpoint.state import CheckpointTarget
 
 log = logging.getLogger("fsdpkit.checkpoint")
@@ -76,6 +82,8 @@ class AsyncSaver:
     def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1, background_staging: bool = False):
         self.group, self.thread_count, self.background_staging = group, thread_count, background_staging
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
+        threads = copy_threads()  # a blocking host copy on this many threads (see staging.py)
+        self._copiers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdpkit-stage") if threads > 1 else None
         self._buffer: dict[str, Any] | None = None
         self._signature: Any = None
         self._pending: tuple[SaveResult, Future] | None = None
@@ -113,11 +121,11 @@ class AsyncSaver:
         live = capture(target, step=step, meta=meta, rank=rank)
         result = SaveResult(step=step, path=ckpt_dir, mode="async", wait_s=t_waited - t0)
         background = (self.background_staging and target.optimizer is not None
-                      and not any(t.device.type != "cpu" for t in _tensors(live.state)))
+                      and not any(t.device.type != "cpu" for t in tensors(live.state)))
         copied = threading.Event()
         if background:
             self._ensure_buffer(live.state)
-            staged = Snapshot(step=step, state=_copy_into(live.state, self._buffer, copy_tensors=False),
+            staged = Snapshot(step=step, state=copy_into(live.state, self._buffer, copy_tensors=False),
                               trainer=live.trainer, meta=meta)
             self._guard(target.optimizer)
             self._staging = (result, copied)
@@ -133,7 +141,7 @@ class AsyncSaver:
                     try:
                         time.sleep(float(os.environ.get(SLOW_STAGING_ENV, 0)))
                         with torch.no_grad():
-                            _copy_tensors(live.state, self._buffer)
+                            copy_tensors(live.state, self._buffer)
                     finally:
                         copied.set()  # an error is raised by wait(); the loop must not hang on it
                 time.sleep(float(os.environ.get(SLOW_WRITE_ENV, 0)))
@@ -189,88 +197,33 @@ class AsyncSaver:
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
+        if self._copiers is not None:
+            self._copiers.shutdown(wait=True)
         self._staging = None
         for _, handle in self._hooked:
             handle.remove()
         self._hooked.clear()
 
-    def _ensure_buffer(self, state: dict[str, Any]) -> None:
-        signature = _signature(state)
-        if self._buffer is None or signature != self._signature:
-            pin = torch.cuda.is_available() and any(t.is_cuda for t in _tensors(state))
-            log.info("checkpoint: allocating the %sstaging buffer", "pinned " if pin else "")
-            self._buffer, self._signature = _allocate(state, pin=pin), signature
+    def _ensure_buffer(self, state: dict[str, Any]) -> bool:
+        """Allocate the staging buffer unless the one held fits `state`; True if it allocated."""
+        sig = signature(state)
+        if self._buffer is not None and sig == self._signature:
+            return False
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in tensors(state))
+        log.info("checkpoint: allocating the %sstaging buffer", "pinned " if pin else "")
+        self._buffer, self._signature = allocate(state, pin=pin), sig
+        return True
 
     @torch.no_grad()
     def _stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        self._ensure_buffer(state)
+        fresh = self._ensure_buffer(state)
+        # a fresh buffer's first touch faults its pages in, which several threads do slower than one
+        if self._copiers is not None and not fresh and all(t.device.type == "cpu" for t in tensors(state)):
+            staged = copy_into(state, self._buffer, copy_tensors=False)
+            copy_tensors(state, self._buffer, pool=self._copiers)
+            return staged
         cuda = torch.cuda.is_available()
-        staged = _copy_into(state, self._buffer, non_blocking=cuda)
+        staged = copy_into(state, self._buffer, non_blocking=cuda)
         if cuda:
             torch.cuda.synchronize()  # the device-to-host copies must land before the write starts
         return staged
-
-
-# The staging buffer mirrors the state dict: DTensors keep their spec (mesh, placements, global
-# shape) around a host local tensor, as DCP's own staging does. torch's helpers for this
-# (_create_cpu_state_dict, _check_state_dict_similarity) copy every tensor while allocating or
-# comparing, which doubled the stall; these allocate empty buffers and compare shapes only.
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def _tensors(state: Any):
-    if isinstance(state, dict):
-        for v in state.values():
-            yield from _tensors(v)
-    elif isinstance(state, list | tuple):
-        for v in state:
-            yield from _tensors(v)
-    elif isinstance(state, torch.Tensor):
-        yield state
-
-
-def _signature(state: Any) -> Any:
-    """Keys, tensor kinds, shapes and dtypes: a buffer is reused only for the same signature."""
-    if isinstance(state, dict):
-        return tuple((k, _signature(v)) for k, v in state.items())
-    if isinstance(state, list | tuple):
-        return tuple(_signature(v) for v in state)
-    if isinstance(state, torch.Tensor):
-        local = _local(state)
-        return (type(state).__name__, tuple(state.shape), tuple(local.shape), local.dtype)
-    return None
-
-
-def _allocate(state: Any, *, pin: bool) -> Any:
-    if isinstance(state, dict):
-        return {k: _allocate(v, pin=pin) for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(_allocate(v, pin=pin) for v in state)
-    if isinstance(state, torch.Tensor):
-        local = _local(state)
-        buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
-        return DTensor(buf, state._spec, requires_grad=False) if isinstance(state, DTensor) else buf
-    return None  # not a tensor: taken from the live state at every save
-
-
-def _copy_into(state: Any, buffer: Any, *, non_blocking: bool = False, copy_tensors: bool = True) -> Any:
-    """The state with its tensors replaced by `buffer`'s (copied into it unless not `copy_tensors`);
-    other values deep-copied (they are small)."""
-    if isinstance(state, dict):
-        return {k: _copy_into(v, buffer[k], non_blocking=non_blocking, copy_tensors=copy_tensors)
-                for k, v in state.items()}
-    if isinstance(state, list | tuple):
-        return type(state)(_copy_into(v, b, non_blocking=non_blocking, copy_tensors=copy_tensors)
-                           for v, b in zip(state, buffer, strict=True))
-    if isinstance(state, torch.Tensor):
-        if copy_tensors:
-            _local(buffer).copy_(_local(state), non_blocking=non_blocking)
-        return buffer
-    return copy.deepcopy(state)
-
-
-def _copy_tensors(state: Any, buffer: Any) -> None:
-    """Copy every tensor of `state` into its place in `buffer` (host memory: synchronous)."""
-    for src, dst in zip(_tensors(state), _tensors(buffer), strict=True):
-        _local(dst).copy_(_local(src))

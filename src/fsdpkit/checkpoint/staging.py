@@ -1,0 +1,120 @@
+"""The staging buffer of an async save: host tensors shaped like the state dict, and the copies into it.
+
+The buffer mirrors the state dict: DTensors keep their spec (mesh, placements, global shape)
+around a host local tensor, as DCP's own staging does. torch's helpers for this
+(_create_cpu_state_dict, _check_state_dict_similarity) copy every tensor while allocating or
+comparing, which doubled the stall; these allocate empty buffers and compare shapes only.
+
+A blocking host-to-host copy (the training loop waits for it) runs on several threads over
+disjoint pieces of the state: one thread copies at well under the machine's memory bandwidth
+(bench/checkpoint.py measures one and two copies at once). The threads are the cores this process
+may use, divided among the ranks on this host (LOCAL_WORLD_SIZE, as torchrun sets it), at most
+MAX_COPY_THREADS; FSDPKIT_STAGING_THREADS overrides that.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+STAGING_THREADS_ENV = "FSDPKIT_STAGING_THREADS"
+MAX_COPY_THREADS = 4
+COPY_PIECE_BYTES = 16 << 20  # the unit a parallel copy hands to a thread
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def tensors(state: Any):
+    """Every tensor in `state` (nested dicts, lists, tuples), in a fixed order."""
+    if isinstance(state, dict):
+        for v in state.values():
+            yield from tensors(v)
+    elif isinstance(state, list | tuple):
+        for v in state:
+            yield from tensors(v)
+    elif isinstance(state, torch.Tensor):
+        yield state
+
+
+def signature(state: Any) -> Any:
+    """Keys, tensor kinds, shapes and dtypes: a buffer is reused only for the same signature."""
+    if isinstance(state, dict):
+        return tuple((k, signature(v)) for k, v in state.items())
+    if isinstance(state, list | tuple):
+        return tuple(signature(v) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = _local(state)
+        return (type(state).__name__, tuple(state.shape), tuple(local.shape), local.dtype)
+    return None
+
+
+def allocate(state: Any, *, pin: bool) -> Any:
+    """An empty host buffer shaped like `state` (pinned with `pin`)."""
+    if isinstance(state, dict):
+        return {k: allocate(v, pin=pin) for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(allocate(v, pin=pin) for v in state)
+    if isinstance(state, torch.Tensor):
+        local = _local(state)
+        buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
+        return DTensor(buf, state._spec, requires_grad=False) if isinstance(state, DTensor) else buf
+    return None  # not a tensor: taken from the live state at every save
+
+
+def copy_into(state: Any, buffer: Any, *, non_blocking: bool = False, copy_tensors: bool = True) -> Any:
+    """The state with its tensors replaced by `buffer`'s (copied into it unless not `copy_tensors`);
+    other values deep-copied (they are small)."""
+    if isinstance(state, dict):
+        return {k: copy_into(v, buffer[k], non_blocking=non_blocking, copy_tensors=copy_tensors)
+                for k, v in state.items()}
+    if isinstance(state, list | tuple):
+        return type(state)(copy_into(v, b, non_blocking=non_blocking, copy_tensors=copy_tensors)
+                           for v, b in zip(state, buffer, strict=True))
+    if isinstance(state, torch.Tensor):
+        if copy_tensors:
+            _local(buffer).copy_(_local(state), non_blocking=non_blocking)
+        return buffer
+    return copy.deepcopy(state)
+
+
+def copy_tensors(state: Any, buffer: Any, *, pool: ThreadPoolExecutor | None = None) -> None:
+    """Copy every tensor of `state` (host memory) into its place in `buffer`; with `pool`, in
+    pieces of about COPY_PIECE_BYTES spread over its threads (copy_ releases the GIL)."""
+    pairs = [(_local(dst), _local(src)) for src, dst in zip(tensors(state), tensors(buffer), strict=True)]
+    if pool is None:
+        for dst, src in pairs:
+            dst.copy_(src)
+        return
+    pieces = []
+    for dst, src in pairs:
+        if not (dst.is_contiguous() and src.is_contiguous()) or dst.nbytes <= COPY_PIECE_BYTES:
+            pieces.append((dst, src))
+            continue
+        d, s = dst.view(-1), src.view(-1)
+        step = max(1, COPY_PIECE_BYTES // dst.element_size())
+        pieces += [(d[i : i + step], s[i : i + step]) for i in range(0, d.numel(), step)]
+    for _ in pool.map(lambda piece: piece[0].copy_(piece[1]), pieces):
+        pass  # map re-raises a copy's error here
+
+
+def copy_threads() -> int:
+    """Threads for a blocking host-to-host staging copy (see the module's docstring)."""
+    if os.environ.get(STAGING_THREADS_ENV):
+        try:
+            return max(1, int(os.environ[STAGING_THREADS_ENV]))
+        except ValueError:
+            raise ValueError(f"{STAGING_THREADS_ENV}={os.environ[STAGING_THREADS_ENV]!r} is not a whole "
+                             "number of threads; set it to e.g. 2, or unset it") from None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        ranks_here = 1
+    return max(1, min(MAX_COPY_THREADS, cores // ranks_here))
