@@ -17,6 +17,7 @@ import os
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
@@ -83,10 +84,11 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         return fut
 
     def _read_ahead(self, name: str, ordered: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, memoryview]]:
-        """(item, storage info, its bytes) in file order; a worker thread reads (and, with
-        `hash_files`, hashes) up to READ_AHEAD_BYTES ahead (reads and xxh3 release the GIL), so the
-        disk streams while the caller copies tensors out. With `hash_files`, records the file's
-        (size, digest) once it was read to the end.
+        """(item, storage info, its bytes) in file order; a worker thread reads up to
+        READ_AHEAD_BYTES ahead and, with `hash_files`, a second one hashes what was read, in order
+        (reads and xxh3 release the GIL), so the disk streams while the bytes are hashed and the
+        caller copies tensors out. With `hash_files`, records the file's (size, digest) once it was
+        read to the end.
 
         The bytes land in buffers reused from item to item (a view is valid until the caller asks
         for the next item): a fresh buffer per item costs a page fault per 4 KiB, and faults taken
@@ -94,17 +96,16 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         digest, size = xxhash.xxh3_64(), [0]
         buffers = _Buffers()
         with (self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream,
-              ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-load-read") as pool):
+              ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-load-read") as pool,
+              ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-load-hash") as hasher):
 
-            def read(length: int) -> memoryview:  # one worker: runs in submission order
+            def read(length: int) -> tuple[memoryview, futures.Future | None]:  # one worker each: in submission order
                 view = buffers.take(length)
                 got = 0
                 while got < length and (n := stream.readinto(view[got:])):
                     got += n
-                if self.hash_files:
-                    digest.update(view[:got])
                 size[0] += got
-                return view[:got]
+                return view[:got], hasher.submit(digest.update, view[:got]) if self.hash_files else None
 
             ahead: deque[tuple[ReadItem, _StorageInfo, Any]] = deque()
             queued = in_flight = 0
@@ -115,11 +116,13 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
                     in_flight += info.length
                     queued += 1
                 req, info, pending = ahead.popleft()
-                data = pending.result()
+                data, hashed = pending.result()
                 in_flight -= info.length
                 yield req, info, data
+                if hashed is not None:
+                    hashed.result()  # its bytes are hashed: the buffer may be read into again
                 buffers.give_back(data)  # the caller is done with it
-            if self.hash_files:
+            if self.hash_files:  # every item's hash was waited for above
                 longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
                 self.digests[name] = (size[0] + len(longer), digest.hexdigest())
 
