@@ -27,7 +27,7 @@ test: $(STAMP)
 multinode: $(STAMP)
 	$(BIN)/python -m pytest tests/multinode -m multinode -v -s
 
-# About 30-40 min on a 2-core VM (checkpoint.py ~20-25 of it; a reduced run took 16 min); writes bench/RESULTS.md (commit it).
+# About 35-40 min on a 2-core VM (checkpoint.py ~25-30 of it; a reduced run took 16 min); writes bench/RESULTS.md (commit it).
 # A failing benchmark does not stop the others; the summary says which did not run.
 bench: $(STAMP)
 	@date +%s > bench/.bench_started

@@ -69,7 +69,7 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
   step while its saves are in flight.
 - B7 whole resume and B8 scaling: see bench/checkpoint_resume.py.
 
-Duration with the defaults: about 25-30 minutes on a 2-core VM (B6 ~9, B8 ~6, B7 ~3); a reduced run
+Duration with the defaults: about 25-30 minutes on a 2-core VM (B6 ~9, B8 ~8, B7 ~3); a reduced run
 (--sizes-gib 0.5, B8 up to 2 GiB, B6 0.25 GiB x 60 steps) took 16 minutes.
 
 Usage: python bench/checkpoint.py [--sizes-gib 1] [--runs 5] [--only B1,B2,...] [--quick] [--dir D] [--report-only]
