@@ -314,6 +314,9 @@ def save_torch(b: Bench, root: Path) -> None:
             os.fsync(f.fileno())
 
 
+RAW_CHUNK = 16 << 20
+
+
 def write_raw(b: Bench, root: Path) -> None:
     """The disk's ceiling for this save, taken beside it: every rank writes its own state bytes
     (the same bytes a save writes) to a new file in 16 MiB os.write calls, then fsyncs it."""
@@ -322,14 +325,14 @@ def write_raw(b: Bench, root: Path) -> None:
     try:
         for t in local_tensors(b, with_steps=True):
             raw = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
-            for i in range(0, len(raw), RAW_CHUNK):
-                os.write(fd, raw[i : i + RAW_CHUNK])
+            done = 0
+            while done < len(raw):  # os.write may write less than asked: count what it wrote
+                done += os.write(fd, raw[done : done + RAW_CHUNK])
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-RAW_CHUNK = 16 << 20
 SYNC_SAVES: dict[str, Callable[[Bench, Path], Any]] = {
     "fsdpkit save_checkpoint": save_fsdpkit, "dcp.save": save_dcp, "torch.save (rank 0, full)": save_torch}
 RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"
