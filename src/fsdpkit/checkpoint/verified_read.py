@@ -105,7 +105,8 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
                 while got < length and (n := stream.readinto(view[got:])):
                     got += n
                 size[0] += got
-                return view[:got], hasher.submit(digest.update, view[:got]) if self.hash_files else None
+                data = view[:got]
+                return data, hasher.submit(digest.update, data) if self.hash_files else None
 
             ahead: deque[tuple[ReadItem, _StorageInfo, Any]] = deque()
             queued = in_flight = 0
