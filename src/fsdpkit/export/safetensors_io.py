@@ -16,7 +16,6 @@ metadata), so the header goes first and the tensors follow piece by piece.
 from __future__ import annotations
 
 import json
-import os
 import struct
 import sys
 from collections.abc import Iterable
@@ -26,7 +25,8 @@ from pathlib import Path
 import torch
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.export.tunables import FLUSH_BYTES
+from fsdpkit.export.direct_io import DirectWriter
+from fsdpkit.export.tunables import BLOCK_BYTES
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -158,21 +158,8 @@ class StreamingSafetensorsWriter:
         self.data_bytes = position
         self.file_bytes = 8 + len(encoded) + position
         self._next = 0
-        self._written = self._flushed = 0
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._write(struct.pack("<Q", len(encoded)) + encoded)
-
-    def _write(self, data) -> None:
-        view = memoryview(data).cast("B")
-        while view:
-            n = os.write(self._fd, view)
-            view = view[n:]
-            self._written += n
-        if FLUSH_BYTES and self._written - self._flushed >= FLUSH_BYTES and hasattr(os, "posix_fadvise"):
-            # Starts write-back of what is written so far without waiting for it (and lets the
-            # kernel drop those pages once clean): the final fsync then has little left to do.
-            os.posix_fadvise(self._fd, self._flushed, self._written - self._flushed, os.POSIX_FADV_DONTNEED)
-            self._flushed = self._written
+        self._out = DirectWriter(path, buffer_bytes=BLOCK_BYTES)
+        self._out.write(torch.frombuffer(bytearray(struct.pack("<Q", len(encoded)) + encoded), dtype=torch.uint8))
 
     def write_tensor(self, name: str, pieces: Iterable[torch.Tensor]) -> None:
         """Append `name`'s bytes; `pieces` are consecutive row blocks (already in the file's dtype)."""
@@ -182,7 +169,7 @@ class StreamingSafetensorsWriter:
         written = 0
         for piece in pieces:
             flat = piece.detach().contiguous().reshape(-1).view(torch.uint8)
-            self._write(flat.numpy())
+            self._out.write(flat)
             written += flat.numel()
         if written != expected:
             raise AssertionError(f"{name}: wrote {written} bytes, the header promised {expected}")
@@ -190,13 +177,11 @@ class StreamingSafetensorsWriter:
 
     def close(self) -> None:
         """Check completeness, fsync and close. Raises AssertionError if a tensor is missing."""
-        try:
-            if self._next != len(self._sizes):
-                raise AssertionError(f"{self.path}: {len(self._sizes) - self._next} tensor(s) were never written")
-            os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
+        if self._next != len(self._sizes):
+            self._out.abort()
+            raise AssertionError(f"{self.path}: {len(self._sizes) - self._next} tensor(s) were never written")
+        self._out.close()
 
     def abort(self) -> None:
         """Close without checks (the caller is failing and removes the file)."""
-        os.close(self._fd)
+        self._out.abort()

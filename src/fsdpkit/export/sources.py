@@ -33,12 +33,14 @@ from fsdpkit.checkpoint.safe_io import (
 )
 from fsdpkit.checkpoint.storage import RemotePath, open_storage
 from fsdpkit.checkpoint.torch_save import FileWindow, TensorPayload, locate_tensor
+from fsdpkit.export.direct_io import DirectReader
 from fsdpkit.export.locate import (
     is_uncommitted_fsdpkit_dir,
     locate_checkpoint,
     not_committed_message,
 )
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
+from fsdpkit.export.tunables import BLOCK_BYTES
 
 FULL_MODEL_FILE = "model.safetensors"  # what strategy.state_dict_type=full writes (checkpoint/full.py)
 
@@ -106,18 +108,8 @@ def _as_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _pread_into(fd: int, t: torch.Tensor, offset: int, *, what: str) -> None:
-    view = memoryview(_as_bytes(t))
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise CheckpointCorruptError(f"{what}: the file ends {len(view) - done} bytes early (truncated)")
-        done += n
-
-
 def _ranged_get_into(obj: RemotePath, t: torch.Tensor, offset: int, *, what: str) -> None:
-    """_pread_into for an object on object storage: ranged GETs straight into `t`'s memory."""
+    """Ranged GETs of an object on object storage, straight into `t`'s memory."""
     view = memoryview(_as_bytes(t))
     done = obj.read_range_into(view, offset)
     if done < len(view):
@@ -175,6 +167,7 @@ class DcpSource:
         self._tensors = {k: TensorInfo(tuple(md.size), md.properties.dtype)
                          for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
         self._files: dict[str, Any] = {}
+        self._readers: dict[str, DirectReader] = {}  # local files: O_DIRECT reads (fsdpkit.export.direct_io)
         self._payloads: dict[tuple[str, tuple[int, ...]], TensorPayload] = {}
         self._whole: tuple[str, torch.Tensor] | None = None  # the last tensor assembled whole
         # read_rows may run on several threads: data is read with pread (no shared file position),
@@ -208,6 +201,8 @@ class DcpSource:
                 self._files[relative] = path.open("rb")  # noqa: SIM115 (closed in close())
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"{path} is missing; the checkpoint is incomplete") from None
+            if isinstance(path, Path):
+                self._readers[relative] = DirectReader(path, self._files[relative].fileno(), bounce_bytes=BLOCK_BYTES)
         return self._files[relative]
 
     def payload(self, key: str, chunk: Chunk) -> TensorPayload:
@@ -264,7 +259,10 @@ class DcpSource:
             self._file(relative)  # a missing object fails here, named
             _ranged_get_into(self.path / relative, t, offset, what=what)
         else:
-            _pread_into(self._file(relative).fileno(), t, offset, what=what)
+            self._file(relative)
+            missing = t.nbytes - self._readers[relative].pread_into(t, offset)
+            if missing:
+                raise CheckpointCorruptError(f"{what}: the file ends {missing} bytes early (truncated)")
 
     def _is_row_split(self, key: str, chunks: list[Chunk]) -> bool:
         size = self._tensors[key].shape
@@ -300,6 +298,9 @@ class DcpSource:
         return self._whole[1]
 
     def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
         for f in self._files.values():
             f.close()
         self._files.clear()

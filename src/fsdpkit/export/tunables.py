@@ -14,7 +14,8 @@ READ_AHEAD = int(os.environ.get("FSDPKIT_EXPORT_READ_AHEAD", "2"))
 """Blocks read ahead, in parallel threads, while the current one is written (at least 1)."""
 
 FLUSH_BYTES = int(os.environ.get("FSDPKIT_EXPORT_FLUSH_BYTES", str(128 << 20)))
-"""Start the disk write-back of an output file every this many bytes (posix_fadvise DONTNEED, which
+"""Writes through the page cache only (where O_DIRECT is off or refused, fsdpkit.export.direct_io):
+start the disk write-back of an output file every this many bytes (posix_fadvise DONTNEED, which
 does not wait), so that flushing overlaps reading instead of all happening in the final fsync;
 0 leaves it all to the final fsync."""
 

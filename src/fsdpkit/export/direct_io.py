@@ -1,0 +1,201 @@
+"""Reads and writes that bypass the page cache (O_DIRECT), for export's one-pass streams.
+
+Export reads every checkpoint byte once and writes every output byte once: the page cache only
+costs it. Through the cache, the kernel copies each byte twice and later reclaims the pages, and on
+a small machine that kernel CPU is the bottleneck (2-core VM, 2 GiB: `dd` copies in 9.4 s buffered,
+8.8 s of it kernel CPU, and in 1.7 s with O_DIRECT, 0.2 s kernel CPU). O_DIRECT moves bytes between
+the device and our buffers directly, but offsets, lengths and buffer addresses must be multiples of
+the device's block size: reads go through a page-aligned bounce buffer, writes through a page-aligned
+staging buffer, and the last partial block of a file is written through an ordinary descriptor.
+
+Where O_DIRECT is missing (macOS, tmpfs, some network file systems) or refused at the first read or
+write, the same calls fall back to ordinary I/O. FSDPKIT_EXPORT_DIRECT_IO=0 turns it off.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+
+import torch
+
+from fsdpkit.export.tunables import FLUSH_BYTES
+
+ALIGN = 4096
+"""Offsets, lengths and buffers of O_DIRECT I/O are multiples of this (the page size; every common
+device's logical block size divides it)."""
+
+ENABLED = hasattr(os, "O_DIRECT") and os.environ.get("FSDPKIT_EXPORT_DIRECT_IO", "1") != "0"
+
+
+def _round_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def aligned_buffer(nbytes: int) -> torch.Tensor:
+    """A page-aligned uint8 tensor of at least `nbytes` (anonymous mmap memory)."""
+    return torch.frombuffer(mmap.mmap(-1, max(ALIGN, _round_up(nbytes))), dtype=torch.uint8)
+
+
+def open_direct(path: os.PathLike | str, flags: int) -> int | None:
+    """`os.open` with O_DIRECT, or None where it is off or the file system refuses it."""
+    if not ENABLED:
+        return None
+    try:
+        return os.open(path, flags | os.O_DIRECT, 0o644)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
+
+
+def _refused(exc: OSError) -> bool:
+    return exc.errno in (errno.EINVAL, errno.EOPNOTSUPP)
+
+
+_local = threading.local()
+
+
+def _bounce(nbytes: int) -> torch.Tensor:
+    """This thread's bounce buffer for O_DIRECT reads (one per thread, whatever the number of files)."""
+    bounce = getattr(_local, "bounce", None)
+    if bounce is None or bounce.numel() < nbytes:
+        bounce = _local.bounce = aligned_buffer(nbytes)
+    return bounce
+
+
+class DirectReader:
+    """Byte ranges of one file read into caller tensors; O_DIRECT through a bounce buffer per thread
+    (`bounce_bytes` at most are read per call)."""
+
+    def __init__(self, path: os.PathLike | str, fd: int, *, bounce_bytes: int) -> None:
+        self._fd = fd  # the caller's ordinary descriptor: the fallback, closed by the caller
+        self._direct = open_direct(path, os.O_RDONLY)
+        self._bounce_bytes = _round_up(bounce_bytes) + ALIGN
+
+    def close(self) -> None:
+        if self._direct is not None:
+            os.close(self._direct)
+            self._direct = None
+
+    def pread_into(self, out: torch.Tensor, offset: int) -> int:
+        """Read `out.nbytes` bytes at `offset` into contiguous `out`; returns how many the file had
+        (fewer at its end)."""
+        dst = out.reshape(-1).view(torch.uint8)
+        done = 0
+        while done < dst.numel():
+            if self._direct is None:
+                n = os.preadv(self._fd, [dst[done:].numpy()], offset + done)
+            else:
+                n = self._direct_piece(dst[done:], offset + done)
+            if n == 0:
+                break
+            done += n
+        return done
+
+    def _direct_piece(self, dst: torch.Tensor, offset: int) -> int:
+        bounce = _bounce(self._bounce_bytes)
+        start = offset - offset % ALIGN
+        skip = offset - start
+        want = min(dst.numel(), bounce.numel() - skip)
+        try:
+            got = os.preadv(self._direct, [bounce[: _round_up(skip + want)].numpy()], start)
+        except OSError as exc:
+            if not _refused(exc):
+                raise
+            self.close()  # refused by this file system: ordinary reads from now on
+            return os.preadv(self._fd, [dst.numpy()], offset)
+        n = max(0, min(want, got - skip))
+        dst[:n].copy_(bounce[skip : skip + n])
+        return n
+
+
+class DirectWriter:
+    """Appends bytes to a new file: whole aligned blocks with O_DIRECT from a staging buffer, the
+    last partial block through an ordinary descriptor. `close()` fsyncs."""
+
+    def __init__(self, path: os.PathLike | str, *, buffer_bytes: int) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._direct = open_direct(path, os.O_WRONLY)
+        self._buffer = aligned_buffer(buffer_bytes) if self._direct is not None else None
+        self._filled = 0  # bytes staged in the buffer, which starts at file offset self._position
+        self._position = 0
+        self._flushed = 0  # ordinary writes: bytes whose write-back was started
+        self.written = 0  # bytes handed to write()
+
+    def write(self, data: torch.Tensor) -> None:
+        """Append a contiguous uint8 tensor's bytes."""
+        self.written += data.numel()
+        done = 0
+        while done < data.numel():
+            if self._buffer is None:  # no O_DIRECT here, or refused on the way
+                self._write_ordinary(data[done:].numpy())
+                return
+            n = min(data.numel() - done, self._buffer.numel() - self._filled)
+            self._buffer[self._filled : self._filled + n].copy_(data[done : done + n])
+            self._filled += n
+            done += n
+            if self._filled == self._buffer.numel():
+                self._flush(self._filled)
+
+    def _flush(self, nbytes: int) -> None:
+        """Write the first `nbytes` (a multiple of ALIGN) of the staging buffer; keep the rest."""
+        try:
+            _write_all(self._direct, self._buffer[:nbytes].numpy(), self._position)
+        except OSError as exc:
+            if not _refused(exc):
+                raise
+            os.close(self._direct)  # refused by this file system: what is staged, and all after it,
+            self._direct = None  # goes through the page cache
+            self._spill()
+            return
+        self._position += nbytes
+        rest = self._filled - nbytes
+        if rest:
+            self._buffer[:rest].copy_(self._buffer[nbytes : self._filled].clone())
+        self._filled = rest
+
+    def _spill(self) -> None:
+        """Without O_DIRECT: write what is staged through the ordinary descriptor and stop staging."""
+        if self._buffer is not None and self._filled:
+            self._write_ordinary(self._buffer[: self._filled].numpy())
+            self._filled = 0
+        self._buffer = None
+
+    def _write_ordinary(self, view) -> None:
+        _write_all(self._fd, view, self._position)
+        self._position += len(view)
+        if FLUSH_BYTES and self._position - self._flushed >= FLUSH_BYTES and hasattr(os, "posix_fadvise"):
+            # Starts write-back of what is written so far without waiting for it (and lets the
+            # kernel drop those pages once clean): the final fsync then has little left to do.
+            os.posix_fadvise(self._fd, self._flushed, self._position - self._flushed, os.POSIX_FADV_DONTNEED)
+            self._flushed = self._position
+
+    def close(self) -> None:
+        """Write what is staged, fsync and close."""
+        try:
+            if self._buffer is not None:
+                whole = self._filled - self._filled % ALIGN
+                if whole:
+                    self._flush(whole)
+                self._spill()
+            os.fsync(self._fd)
+        finally:
+            self.abort()
+
+    def abort(self) -> None:
+        """Close without writing what is staged (the caller is failing and removes the file)."""
+        for fd in (self._direct, self._fd):
+            if fd is not None:
+                os.close(fd)
+        self._direct = self._fd = None
+        self._buffer = None
+
+
+def _write_all(fd: int, view, offset: int) -> None:
+    view = memoryview(view).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n

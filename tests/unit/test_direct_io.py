@@ -1,0 +1,116 @@
+"""fsdpkit.export.direct_io: O_DIRECT reads and writes give the same bytes as ordinary I/O, at any
+offset and length, and fall back to ordinary I/O where O_DIRECT is refused."""
+
+from __future__ import annotations
+
+import errno
+import os
+
+import pytest
+import torch
+
+from fsdpkit.export import direct_io
+from fsdpkit.export.direct_io import ALIGN, DirectReader, DirectWriter, aligned_buffer
+
+
+def _bytes(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+def _direct_supported(folder) -> bool:
+    fd = direct_io.open_direct(folder / "probe", os.O_WRONLY | os.O_CREAT)
+    if fd is not None:
+        os.close(fd)
+    return fd is not None
+
+
+def test_aligned_buffer_is_page_aligned():
+    for n in (1, ALIGN, 3 * ALIGN + 5):
+        buf = aligned_buffer(n)
+        assert buf.data_ptr() % ALIGN == 0 and buf.numel() >= n and buf.numel() % ALIGN == 0
+
+
+@pytest.mark.parametrize("pieces", [[1], [8, 4096 * 3 + 1, 17], [50_000, 200_000, 3], [4096, 4096]])
+def test_writer_writes_every_byte_in_order(tmp_path, pieces):
+    direct = _direct_supported(tmp_path)
+    data = [_bytes(n, seed=i) for i, n in enumerate(pieces)]
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=16 * 1024)  # several flushes per piece
+    assert (writer._direct is not None) == direct
+    for d in data:
+        writer.write(d)
+    writer.close()
+    assert (tmp_path / "out.bin").read_bytes() == b"".join(d.numpy().tobytes() for d in data)
+    assert writer.written == sum(pieces)
+
+
+def test_reader_reads_any_range(tmp_path):
+    payload = _bytes(5 * ALIGN + 123, seed=7)
+    path = tmp_path / "in.bin"
+    path.write_bytes(payload.numpy().tobytes())
+    with path.open("rb") as f:
+        reader = DirectReader(path, f.fileno(), bounce_bytes=2 * ALIGN)  # ranges larger than the bounce: several reads
+        assert (reader._direct is not None) == _direct_supported(tmp_path)
+        for offset, length in [(0, 1), (1, ALIGN), (ALIGN - 1, 3 * ALIGN + 2), (17, payload.numel() - 17), (0, payload.numel())]:
+            out = torch.empty(length, dtype=torch.uint8)
+            assert reader.pread_into(out, offset) == length
+            assert torch.equal(out, payload[offset : offset + length]), (offset, length)
+        out = torch.empty(200, dtype=torch.uint8)  # past the end: the count says how many bytes the file had
+        assert reader.pread_into(out, payload.numel() - 50) == 50
+        assert torch.equal(out[:50], payload[-50:])
+        reader.close()
+
+
+def test_refused_direct_io_falls_back_to_ordinary_io(tmp_path, monkeypatch):
+    """A file system that opens with O_DIRECT but refuses the I/O (EINVAL) still gets every byte."""
+    real_pwrite, real_preadv = os.pwrite, os.preadv
+    direct_fds: set[int] = set()
+    real_open_direct = direct_io.open_direct
+
+    def open_direct(path, flags):
+        fd = real_open_direct(path, flags)
+        if fd is None:  # no O_DIRECT here at all: stand an ordinary descriptor in for one
+            fd = os.open(path, flags)
+        direct_fds.add(fd)
+        return fd
+
+    def refuse(real):
+        def call(fd, *args):
+            if fd in direct_fds:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real(fd, *args)
+        return call
+
+    monkeypatch.setattr(direct_io, "open_direct", open_direct)
+    monkeypatch.setattr(os, "pwrite", refuse(real_pwrite))
+    monkeypatch.setattr(os, "preadv", refuse(real_preadv))
+    data = _bytes(3 * 16 * 1024 + 99, seed=3)
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=16 * 1024)
+    writer.write(data[:10])
+    writer.write(data[10:])
+    writer.close()
+    assert (tmp_path / "out.bin").read_bytes() == data.numpy().tobytes()
+    with (tmp_path / "out.bin").open("rb") as f:
+        reader = DirectReader(tmp_path / "out.bin", f.fileno(), bounce_bytes=ALIGN)
+        out = torch.empty(data.numel() - 5, dtype=torch.uint8)
+        assert reader.pread_into(out, 5) == out.numel()
+        assert torch.equal(out, data[5:])
+        assert reader._direct is None  # gave up O_DIRECT after the refusal
+        reader.close()
+
+
+def test_switched_off_uses_ordinary_io(tmp_path, monkeypatch):
+    monkeypatch.setattr(direct_io, "ENABLED", False)
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN)
+    assert writer._direct is None
+    writer.write(_bytes(ALIGN + 1))
+    writer.close()
+    assert (tmp_path / "out.bin").stat().st_size == ALIGN + 1
+
+
+def test_abort_leaves_no_descriptor_open(tmp_path):
+    before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN)
+    writer.write(_bytes(100))
+    writer.abort()
+    if before is not None:
+        assert len(os.listdir("/proc/self/fd")) == before
