@@ -62,6 +62,7 @@ def test_reader_reads_any_range(tmp_path):
 
 def test_refused_direct_io_falls_back_to_ordinary_io(tmp_path, monkeypatch):
     """A file system that opens with O_DIRECT but refuses the I/O (EINVAL) still gets every byte."""
+    monkeypatch.setattr(direct_io, "ENABLED", True)
     real_pwrite, real_preadv = os.pwrite, os.preadv
     direct_fds: set[int] = set()
     real_open_direct = direct_io.open_direct

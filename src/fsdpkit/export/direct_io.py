@@ -3,7 +3,7 @@
 Export reads every checkpoint byte once and writes every output byte once: the page cache only
 costs it. Through the cache, the kernel copies each byte twice and later reclaims the pages, and on
 a small machine that kernel CPU is the bottleneck (2-core VM, 2 GiB: `dd` copies in 9.4 s buffered,
-8.8 s of it kernel CPU, and in 1.7 s with O_DIRECT, 0.2 s kernel CPU). O_DIRECT moves bytes between
+8.8 s of it kernel CPU, and in 1.7-3.5 s with O_DIRECT, 0.2 s of kernel CPU). O_DIRECT moves bytes between
 the device and our buffers directly, but offsets, lengths and buffer addresses must be multiples of
 the device's block size: reads go through a page-aligned bounce buffer, writes through a page-aligned
 staging buffer, and the last partial block of a file is written through an ordinary descriptor.
@@ -20,8 +20,6 @@ import os
 import threading
 
 import torch
-
-from fsdpkit.export.tunables import FLUSH_BYTES
 
 ALIGN = 4096
 """Offsets, lengths and buffers of O_DIRECT I/O are multiples of this (the page size; every common
@@ -114,14 +112,16 @@ class DirectReader:
 
 class DirectWriter:
     """Appends bytes to a new file: whole aligned blocks with O_DIRECT from a staging buffer, the
-    last partial block through an ordinary descriptor. `close()` fsyncs."""
+    last partial block through an ordinary descriptor. `close()` fsyncs. Without O_DIRECT, the
+    disk write-back of ordinary writes is started every `flush_bytes` (0: all in the final fsync)."""
 
-    def __init__(self, path: os.PathLike | str, *, buffer_bytes: int) -> None:
+    def __init__(self, path: os.PathLike | str, *, buffer_bytes: int, flush_bytes: int = 0) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._direct = open_direct(path, os.O_WRONLY)
         self._buffer = aligned_buffer(buffer_bytes) if self._direct is not None else None
         self._filled = 0  # bytes staged in the buffer, which starts at file offset self._position
         self._position = 0
+        self._flush_bytes = flush_bytes
         self._flushed = 0  # ordinary writes: bytes whose write-back was started
         self.written = 0  # bytes handed to write()
 
@@ -167,7 +167,7 @@ class DirectWriter:
     def _write_ordinary(self, view) -> None:
         _write_all(self._fd, view, self._position)
         self._position += len(view)
-        if FLUSH_BYTES and self._position - self._flushed >= FLUSH_BYTES and hasattr(os, "posix_fadvise"):
+        if self._flush_bytes and self._position - self._flushed >= self._flush_bytes and hasattr(os, "posix_fadvise"):
             # Starts write-back of what is written so far without waiting for it (and lets the
             # kernel drop those pages once clean): the final fsync then has little left to do.
             os.posix_fadvise(self._fd, self._flushed, self._position - self._flushed, os.POSIX_FADV_DONTNEED)
