@@ -259,10 +259,14 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
     return a, b, r2
 
 
+BASELINE_NAMES = {"save": "dcp.save", "resume": "dcp.load + set_state_dict"}
+
+
 def _b8(sc: dict[str, Any], c: dict[str, Any], targets: list, lines: list) -> None:
     from checkpoint_resume import FSDPKIT, PLAIN  # noqa: I001 - a sibling module of this script
 
     pts: dict[str, list[tuple[float, float]]] = {"save": [], "resume": []}
+    base: dict[str, list[tuple[float, float]]] = {"save": [], "resume": []}  # dcp.save, dcp.load of the same rows
     for key, row in sc["rows"].items():
         if "skipped" in row:
             lines.append(f"| {key} | skipped: {row['skipped']} |||||||||")
@@ -285,11 +289,15 @@ def _b8(sc: dict[str, Any], c: dict[str, Any], targets: list, lines: list) -> No
         if n == 2:
             pts["save"].append((total / 2**30, fs))
             pts["resume"].append((total / 2**30, fr))
+            base["save"].append((total / 2**30, ds))
+            base["resume"].append((total / 2**30, pr))
     for what, xy in pts.items():
         if len(xy) < 3:
             continue
         a, b, r2 = _fit([x for x, _ in xy], [y for _, y in xy])
-        lines.append(f"{what} on 2 ranks: time = {a:+.3f} s + {b:.3f} s/GiB × size (r² {r2:.3f})")
+        ba, bb, br2 = _fit([x for x, _ in base[what]], [y for _, y in base[what]])
+        lines.append(f"{what} on 2 ranks: time = {a:+.3f} s + {b:.3f} s/GiB × size (r² {r2:.3f}); the baseline of the same "
+                     f"rows ({BASELINE_NAMES[what]}): {ba:+.3f} s + {bb:.3f} s/GiB (r² {br2:.3f}): a bend both show is the disk's")
         span = f"{min(x for x, _ in xy):.2g}–{max(x for x, _ in xy):.2g}"
         _target(targets, f"B8 {what} time on 2 ranks vs size: constant of the linear fit (s)", span, a,
                 "< 0.1 s, linear (r² >= 0.98)", a < 0.1 and r2 >= 0.98, f"{a:+.3f} s + {b:.3f} s/GiB, r² {r2:.3f}")
