@@ -101,11 +101,11 @@ CHUNK = 16 * 2**20
 MiB, GiB = 2**20, 2**30
 QUICK = {"sizes_gib": "0.125", "runs": 2, "b3_runs": 1, "b6_size_gib": 0.0625, "b6_steps": 40, "b6_every": 10,
          "step_ms": 20.0, "ceiling_gib": 0.25, "memcpy_mib": 128, "b6_rounds": 1, "ceiling_reps": 2,
-         "resume_launches": 1, "scale_sizes_gib": "0.0625,0.125", "scale_rank_size_gib": 0.125, "scale_ranks": "1,2",
+         "resume_launches": 1, "resume_runs": 1, "scale_sizes_gib": "0.0625,0.125", "scale_rank_size_gib": 0.125, "scale_ranks": "1,2",
          "scale_runs": 1}
 FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps": 80, "b6_every": 20,
         "step_ms": 100.0, "ceiling_gib": 1.0, "memcpy_mib": 512, "b6_rounds": 5, "ceiling_reps": 5,
-        "resume_launches": 5, "scale_sizes_gib": "0.01,0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0, "scale_ranks": "1,2,4",
+        "resume_launches": 5, "resume_runs": 2, "scale_sizes_gib": "0.01,0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0, "scale_ranks": "1,2,4",
         "scale_runs": 5}
 
 
@@ -343,7 +343,8 @@ def orchestrate(args: argparse.Namespace) -> int:
                 per["load_3"] = launch(args, "load", 3, size, workdir)
             if "B7" in args.only and size == args.sizes[0]:  # fresh launches are slow: the first size only
                 per["whole_resume"] = whole_resumes(args, 2, size, workdir, workdir / f"src_{size:g}",
-                                                    launches=args.resume_launches, runs=1, methods=(FSDPKIT, PLAIN))
+                                                    launches=args.resume_launches, runs=args.resume_runs,
+                                                    methods=(FSDPKIT, PLAIN))
                 results["errors"] += [v for v in per["whole_resume"] if isinstance(v, str)]
                 per["whole_resume"] = [v for v in per["whole_resume"] if not isinstance(v, str)]
             shutil.rmtree(workdir / f"src_{size:g}", ignore_errors=True)
@@ -412,6 +413,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--memcpy-mib", type=int, help="tensor size for the memcpy ceiling (default 512)")
     p.add_argument("--ceiling-reps", type=int, help="repetitions of every ceiling, medians (default 5)")
     p.add_argument("--resume-launches", type=int, help="B7: fresh resumed runs per method (default 5)")
+    p.add_argument("--resume-runs", type=int, help="B7: checkpoint parts repeated per method in each launch, after "
+                                                   "its first step (default 2)")
     p.add_argument("--scale-sizes-gib", help="B8: state sizes over 2 ranks (default 0.01,0.25,0.5,1,2,4: the smallest pins the constant of the fit)")
     p.add_argument("--scale-rank-size-gib", type=float, help="B8: state size for the rank counts (default 1)")
     p.add_argument("--scale-ranks", help="B8: rank counts at that size (default 1,2,4)")

@@ -424,7 +424,8 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "forward/backward/AdamW step). The checkpoint part: fsdpkit = resolve (newest committed) + "
                 "load_checkpoint(verify=True, verify_files=True) (every file's checksum from the load's own read, "
                 "then per-tensor checksums); plain = dcp.load + set_state_dict. 'in-process' = the "
-                "checkpoint part repeated once per method in each launch after the first step (cold pages), pooled.",
+                f"checkpoint part repeated {cfg.get('resume_runs', 1)} time(s) per method in each launch after the first step "
+                "(cold pages, methods rotating), pooled.",
                 "| size GiB | method | launch → first step s (median) | min–max (n) | launch → model built s | "
                 "checkpoint part, first in the process s | first step s | checkpoint part in-process s | min–max (n) |",
                 "|---|---|---|---|---|---|---|---|---|", *b7]
