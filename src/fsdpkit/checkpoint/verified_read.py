@@ -5,9 +5,10 @@ reads the whole checkpoint once, then DCP reads it again to load it; on a cold c
 the I/O of a resume. Here each rank reads every file it reads whole in offset order on a
 read-ahead thread (hashing it there when asked), while the caller copies each tensor from the read
 buffer into its target: one read, and one copy out of it where DCP makes two (into torch.load's
-own storage, then into the target). At the same world size that covers every data file. Files no rank read whole (a
-resharded load reads parts of several files) are read as DCP reads them, and hashed afterwards,
-split over ranks. `fsdpkit ckpt verify` keeps the separate, complete verification.
+own storage, then into the target). At the same world size that covers every data file. Of a file
+a rank reads only part of (a load at another world size), it reads just the rows its targets need,
+straight into them (DCP reads every item whole and copies it twice); files no rank read whole are
+hashed afterwards, split over ranks. `fsdpkit ckpt verify` keeps the separate, complete verification.
 """
 
 from __future__ import annotations
@@ -31,9 +32,16 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.hashing import HASH_NAME
 from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
-from fsdpkit.checkpoint.torch_save import MemoryReader, tensor_in_blob
+from fsdpkit.checkpoint.torch_save import (
+    FileWindow,
+    MemoryReader,
+    TensorPayload,
+    locate_tensor,
+    tensor_in_blob,
+)
 
 READ_AHEAD_BYTES = int(os.environ.get("FSDPKIT_LOAD_READ_AHEAD_BYTES", str(64 << 20)))
 """Bytes a load reads ahead of the copies into the targets (at least one item, whatever its size)."""
@@ -72,12 +80,12 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         for name, reqs in per_file.items():
             ordered = self._whole_in_order(name, reqs)
             if ordered is None:
-                partial += reqs
+                partial += self._read_rows(name, reqs, planner)
                 continue
             with closing(self._read_ahead(name, ordered)) as items:  # stops the read-ahead at once on an error
                 for req, info, data in items:
                     self._consume(req, info, data, planner)
-        if partial:  # DCP's own slice reads for the rest
+        if partial:  # DCP's own reads for what _read_rows left
             super().read_data(LoadPlan(partial, plan.storage_data, plan.planner_data), planner).wait()
         fut: Future[None] = Future()
         fut.set_result(None)
@@ -127,6 +135,39 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
                 longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
                 self.digests[name] = (size[0] + len(longer), digest.hexdigest())
 
+    def _read_rows(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
+        """Items of a file this rank reads only part of (a load at another world size): each
+        item's torch.save header is parsed (a few hundred bytes), then only the rows its target
+        needs are read, straight into the target where it can be. DCP reads every item whole
+        (the rows of other ranks too), then copies it twice. Returns the items left to DCP: byte
+        items, transformed ones and slices that are not whole rows of a contiguous tensor."""
+        path = self.fs.concat_path(self.path, name)
+        rest = []
+        with open(path, "rb") as file:
+            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                info: _StorageInfo = self.storage_data[req.storage_index]
+                if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                    rest.append(req)
+                    continue
+                where = f"{path} at byte {info.offset}"
+                payload = locate_tensor(FileWindow(file, info.offset, info.length), source=where)
+                span = _row_span(payload, tuple(req.storage_offsets), tuple(req.lengths))
+                if span is None:
+                    rest.append(req)
+                    continue
+                target = planner.resolve_tensor(req).detach()
+                if tuple(target.size()) != tuple(req.lengths):
+                    raise ValueError(f"{req.storage_index}: the checkpoint holds {tuple(req.lengths)}, "
+                                     f"the target expects {tuple(target.size())}")
+                direct = target.is_contiguous() and target.dtype == payload.dtype
+                out = target if direct else torch.empty(tuple(req.lengths), dtype=payload.dtype)
+                start, nbytes = span
+                _pread_exactly(file.fileno(), out, info.offset + payload.data_start + start, nbytes, where=where)
+                if not direct:
+                    target.copy_(out)
+                planner.commit_tensor(req, target)
+        return rest
+
     def _consume(self, req: ReadItem, info: _StorageInfo, data: memoryview, planner: LoadPlanner) -> None:
         """What FileSystemReader.read_data does with one item's bytes (torch 2.13), except that a
         tensor is copied into its target straight from the read buffer: torch.load would first
@@ -147,6 +188,37 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
                              f"the target expects {tuple(target.size())}")
         target.copy_(tensor)
         planner.commit_tensor(req, target)
+
+
+def _row_span(payload: TensorPayload, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
+    """(first byte after the payload's data start, byte count) of the slice [offsets, offsets +
+    lengths) of a contiguous saved tensor when it is whole rows (full in every dim but the first),
+    else None."""
+    shape = payload.shape
+    if not payload.is_contiguous or len(offsets) != len(shape) or len(lengths) != len(shape):
+        return None
+    if any(o != 0 for o in offsets[1:]) or tuple(lengths[1:]) != tuple(shape[1:]):
+        return None
+    if shape and not 0 <= offsets[0] <= offsets[0] + lengths[0] <= shape[0]:
+        return None  # outside the saved chunk: DCP's own path reports it
+    row = 1
+    for size in shape[1:]:
+        row *= size
+    count = (lengths[0] if shape else 1) * row
+    first = payload.storage_offset + (offsets[0] * row if shape else 0)
+    return first * payload.dtype.itemsize, count * payload.dtype.itemsize
+
+
+def _pread_exactly(fd: int, out: torch.Tensor, offset: int, nbytes: int, *, where: str) -> None:
+    view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
+    if len(view) != nbytes:
+        raise CheckpointCorruptError(f"{where}: the stored slice has {nbytes} bytes, the target {len(view)}")
+    done = 0
+    while done < nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise CheckpointCorruptError(f"{where}: the file ends {nbytes - done} bytes early (truncated)")
+        done += n
 
 
 class _Buffers:

@@ -1,0 +1,94 @@
+"""ReadAheadFileSystemReader's partial reads (a load at another world size): the rows a target
+needs are read from the file on their own, other slices go to DCP, and a short file is named."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from fsdpkit.checkpoint.errors import CheckpointCorruptError
+from fsdpkit.checkpoint.verified_read import ReadAheadFileSystemReader
+
+
+class _Planner:
+    """The two calls read_data makes of a LoadPlanner: where an item goes, and that it arrived."""
+
+    def __init__(self, targets: dict[str, torch.Tensor]) -> None:
+        self.targets, self.committed = targets, []
+
+    def resolve_tensor(self, req: ReadItem) -> torch.Tensor:
+        return self.targets[req.dest_index.fqn]
+
+    def commit_tensor(self, req: ReadItem, tensor: torch.Tensor) -> None:
+        self.committed.append(req.dest_index.fqn)
+
+
+def _item(fqn: str, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> ReadItem:
+    index = MetadataIndex(fqn, torch.Size([0] * len(offsets)))
+    return ReadItem(type=LoadItemType.TENSOR, dest_index=index, dest_offsets=torch.Size([0] * len(offsets)),
+                    storage_index=index, storage_offsets=torch.Size(offsets), lengths=torch.Size(lengths))
+
+
+@pytest.fixture
+def saved(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(10, 6, generator=gen), "v": torch.randn(7, generator=gen),
+             "s": torch.tensor(3.5), "h": torch.randn(4, 3, generator=gen).to(torch.bfloat16)}
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    return tmp_path, state
+
+
+def _reader(path):
+    sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
+    reader = ReadAheadFileSystemReader(path, sizes=sizes, hash_files=True)
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, is_coordinator=True)
+    return reader
+
+
+def test_row_slices_are_read_on_their_own_other_slices_go_to_dcp(saved, monkeypatch):
+    path, state = saved
+    left_to_dcp: list[str] = []
+    real = FileSystemReader.read_data
+
+    def dcp_read(self, plan, planner):
+        left_to_dcp.extend(i.dest_index.fqn for i in plan.items)
+        return real(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", dcp_read)
+    targets = {"w": torch.empty(4, 6), "v": torch.empty(2), "s": torch.empty(()),
+               "h": torch.empty(4, 3), "cols": torch.empty(10, 2)}  # h: bf16 saved, fp32 target (a cast)
+    items = [_item("w", (3, 0), (4, 6)), _item("v", (5,), (2,)), _item("s", (), ()), _item("h", (0, 0), (4, 3))]
+    cols = _item("w", (0, 2), (10, 2))  # columns are not whole rows: DCP reads them
+    cols = ReadItem(type=cols.type, dest_index=MetadataIndex("cols", torch.Size([0, 0])), dest_offsets=cols.dest_offsets,
+                    storage_index=cols.storage_index, storage_offsets=cols.storage_offsets, lengths=cols.lengths)
+    planner = _Planner(targets)
+    reader = _reader(path)
+    reader.read_data(LoadPlan([*items, cols]), planner).wait()
+    assert torch.equal(targets["w"], state["w"][3:7])
+    assert torch.equal(targets["v"], state["v"][5:7])
+    assert torch.equal(targets["s"], state["s"])
+    assert torch.equal(targets["h"], state["h"].float())
+    assert torch.equal(targets["cols"], state["w"][:, 2:4])
+    assert left_to_dcp == ["cols"]
+    assert sorted(planner.committed) == ["cols", "h", "s", "v", "w"]
+    assert reader.digests == {}  # no file was read whole, so none was hashed here (verify_rest does it)
+
+
+def test_a_truncated_file_is_named(saved):
+    path, _ = saved
+    reader = _reader(path)
+    info = reader.storage_data[MetadataIndex("w", torch.Size([0, 0]))]
+    data_file = path / info.relative_path
+    with open(data_file, "r+b") as f:  # cut inside w's rows, after its header
+        f.truncate(info.offset + info.length - 8)
+    with pytest.raises(CheckpointCorruptError, match="truncated") as caught:
+        reader.read_data(LoadPlan([_item("w", (8, 0), (2, 6))]), _Planner({"w": torch.empty(2, 6)})).wait()
+    assert str(data_file) in str(caught.value)
+    assert os.path.getsize(data_file) == info.offset + info.length - 8
