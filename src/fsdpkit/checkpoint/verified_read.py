@@ -13,6 +13,7 @@ hashed afterwards, split over ranks. `fsdpkit ckpt verify` keeps the separate, c
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import threading
@@ -20,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
+from contextlib import ExitStack, closing
 from pathlib import Path
 from typing import Any, cast
 
@@ -45,6 +46,9 @@ from fsdpkit.checkpoint.torch_save import (
 
 READ_AHEAD_BYTES = int(os.environ.get("FSDPKIT_LOAD_READ_AHEAD_BYTES", str(64 << 20)))
 """Bytes a load reads ahead of the copies into the targets (at least one item, whatever its size)."""
+
+ROW_READ_THREADS = 4
+"""Threads that read row ranges at once in a load at another world size."""
 
 
 class ReadAheadFileSystemReader(SafeFileSystemReader):
@@ -76,15 +80,16 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         per_file: dict[str, list[ReadItem]] = {}
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        partial: list[ReadItem] = []
+        in_part: dict[str, list[ReadItem]] = {}
         for name, reqs in per_file.items():
             ordered = self._whole_in_order(name, reqs)
             if ordered is None:
-                partial += self._read_rows(name, reqs, planner)
+                in_part[name] = reqs
                 continue
             with closing(self._read_ahead(name, ordered)) as items:  # stops the read-ahead at once on an error
                 for req, info, data in items:
                     self._consume(req, info, data, planner)
+        partial = self._read_rows(in_part, planner) if in_part else []
         if partial:  # DCP's own reads for what _read_rows left
             super().read_data(LoadPlan(partial, plan.storage_data, plan.planner_data), planner).wait()
         fut: Future[None] = Future()
@@ -135,36 +140,48 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
                 longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
                 self.digests[name] = (size[0] + len(longer), digest.hexdigest())
 
-    def _read_rows(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> list[ReadItem]:
-        """Items of a file this rank reads only part of (a load at another world size): each
+    def _read_rows(self, in_part: dict[str, list[ReadItem]], planner: LoadPlanner) -> list[ReadItem]:
+        """Items of files this rank reads only part of (a load at another world size): each
         item's torch.save header is parsed (a few hundred bytes), then only the rows its target
-        needs are read, straight into the target where it can be. DCP reads every item whole
-        (the rows of other ranks too), then copies it twice. Returns the items left to DCP: byte
-        items, transformed ones and slices that are not whole rows of a contiguous tensor."""
-        path = self.fs.concat_path(self.path, name)
-        rest = []
-        with open(path, "rb") as file:
-            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                info: _StorageInfo = self.storage_data[req.storage_index]
-                if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
-                    rest.append(req)
-                    continue
-                where = f"{path} at byte {info.offset}"
-                payload = locate_tensor(FileWindow(file, info.offset, info.length), source=where)
-                span = _row_span(payload, tuple(req.storage_offsets), tuple(req.lengths))
-                if span is None:
-                    rest.append(req)
-                    continue
-                target = planner.resolve_tensor(req).detach()
-                if tuple(target.size()) != tuple(req.lengths):
-                    raise ValueError(f"{req.storage_index}: the checkpoint holds {tuple(req.lengths)}, "
-                                     f"the target expects {tuple(target.size())}")
-                direct = target.is_contiguous() and target.dtype == payload.dtype
-                out = target if direct else torch.empty(tuple(req.lengths), dtype=payload.dtype)
-                start, nbytes = span
-                _pread_exactly(file.fileno(), out, info.offset + payload.data_start + start, nbytes, where=where)
-                if not direct:
-                    target.copy_(out)
+        needs are read, straight into the target where it can be, on ROW_READ_THREADS threads (a
+        deeper queue for the disk). DCP reads every item whole (the rows of other ranks too), then
+        copies it twice. Returns the items left to DCP: byte items, transformed ones and slices
+        that are not whole rows of a contiguous tensor."""
+        rest: list[ReadItem] = []
+        done: list[tuple[ReadItem, torch.Tensor, futures.Future]] = []
+        # The pool is left first (its reads finished, even on an error), then the files are closed.
+        with ExitStack() as files, ThreadPoolExecutor(max_workers=ROW_READ_THREADS, thread_name_prefix="fsdpkit-load-rows") as pool:
+            for name, reqs in in_part.items():
+                path = self.fs.concat_path(self.path, name)
+                file = files.enter_context(open(path, "rb"))  # noqa: SIM115
+                for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
+                    info: _StorageInfo = self.storage_data[req.storage_index]
+                    if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+                        rest.append(req)
+                        continue
+                    where = f"{path} at byte {info.offset}"
+                    payload = locate_tensor(FileWindow(file, info.offset, info.length), source=where)
+                    span = _row_span(payload, tuple(req.storage_offsets), tuple(req.lengths))
+                    if span is None:
+                        rest.append(req)
+                        continue
+                    target = planner.resolve_tensor(req).detach()
+                    if tuple(target.size()) != tuple(req.lengths):
+                        raise ValueError(f"{req.storage_index}: the checkpoint holds {tuple(req.lengths)}, "
+                                         f"the target expects {tuple(target.size())}")
+                    straight = target.is_contiguous() and target.dtype == payload.dtype
+                    out = target if straight else torch.empty(tuple(req.lengths), dtype=payload.dtype)
+                    start, nbytes = span
+                    job = functools.partial(_pread_exactly, file.fileno(), out, info.offset + payload.data_start + start,
+                                            nbytes, where=where)
+                    if straight:
+                        done.append((req, target, pool.submit(job)))
+                    else:  # a cast: one temporary at a time
+                        job()
+                        target.copy_(out)
+                        planner.commit_tensor(req, target)
+            for req, target, read in done:
+                read.result()
                 planner.commit_tensor(req, target)
         return rest
 
