@@ -4,15 +4,18 @@ needs are read from the file on their own, other slices go to DCP, and a short f
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+import xxhash
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
+from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
 from fsdpkit.checkpoint.verified_read import ReadAheadFileSystemReader
 
 
@@ -79,6 +82,34 @@ def test_row_slices_are_read_on_their_own_other_slices_go_to_dcp(saved, monkeypa
     assert left_to_dcp == ["cols"]
     assert sorted(planner.committed) == ["cols", "h", "s", "v", "w"]
     assert reader.digests == {}  # no file was read whole, so none was hashed here (verify_rest does it)
+
+
+def test_several_whole_files_stream_side_by_side_and_are_hashed(tmp_path, monkeypatch):
+    threads: list[str] = []
+    real = ReadAheadFileSystemReader._load_whole
+
+    def load_whole(self, *args):
+        threads.append(threading.current_thread().name)
+        return real(self, *args)
+
+    monkeypatch.setattr(ReadAheadFileSystemReader, "_load_whole", load_whole)
+    gen = torch.Generator().manual_seed(1)
+    state = {f"t{i}": torch.randn(64, 32, generator=gen) for i in range(8)}
+    state["meta"] = {"lr": 0.5, "betas": [0.9, 0.95]}  # byte items go through the planner too
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path, thread_count=2), no_dist=True)
+    files = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert len(files) == 2  # the case: one rank reading two whole files
+    reader = _reader(tmp_path)
+    loaded = {k: torch.zeros_like(v) for k, v in state.items() if k != "meta"}
+    loaded["meta"] = {"lr": 0.0, "betas": [0.0, 0.0]}
+    dcp.load(loaded, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    for key, value in state.items():
+        assert (torch.equal(loaded[key], value) if key != "meta" else loaded[key] == value), key
+    assert sorted(reader.digests) == files
+    assert len(threads) == 2 and all(t.startswith("fsdpkit-load-file") for t in threads)
+    for name in files:
+        data = (tmp_path / name).read_bytes()
+        assert reader.digests[name] == (len(data), xxhash.xxh3_64(data).hexdigest())
 
 
 def test_a_truncated_file_is_named(saved):

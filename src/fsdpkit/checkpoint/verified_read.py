@@ -50,6 +50,9 @@ READ_AHEAD_BYTES = int(os.environ.get("FSDPKIT_LOAD_READ_AHEAD_BYTES", str(64 <<
 ROW_READ_THREADS = 4
 """Threads that read row ranges at once in a load at another world size."""
 
+WHOLE_FILE_THREADS = 2
+"""Files a rank that reads several whole files (fewer ranks than saved) streams at once."""
+
 
 class ReadAheadFileSystemReader(SafeFileSystemReader):
     """`SafeFileSystemReader` that reads each file this rank reads whole in one sequential pass
@@ -65,6 +68,7 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         self.sizes = sizes  # file name -> size recorded in the manifest
         self.hash_files = hash_files
         self.digests: dict[str, tuple[int, str]] = {}
+        self._planner_lock = threading.Lock()  # files read side by side call the planner one at a time
 
     def _whole_in_order(self, name: str, reqs: list[ReadItem]) -> list[ReadItem] | None:
         """`reqs` sorted by offset if they tile the file [0, size) exactly, else None."""
@@ -81,20 +85,31 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         for item in plan.items:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         in_part: dict[str, list[ReadItem]] = {}
+        whole: list[tuple[str, list[ReadItem]]] = []
         for name, reqs in per_file.items():
             ordered = self._whole_in_order(name, reqs)
             if ordered is None:
                 in_part[name] = reqs
-                continue
-            with closing(self._read_ahead(name, ordered)) as items:  # stops the read-ahead at once on an error
-                for req, info, data in items:
-                    self._consume(req, info, data, planner)
+            else:
+                whole.append((name, ordered))
+        if len(whole) == 1:
+            self._load_whole(*whole[0], planner)
+        elif whole:  # e.g. fewer ranks than saved: a rank's files stream side by side
+            with ThreadPoolExecutor(max_workers=min(len(whole), WHOLE_FILE_THREADS),
+                                    thread_name_prefix="fsdpkit-load-file") as files:
+                for done in [files.submit(self._load_whole, name, ordered, planner) for name, ordered in whole]:
+                    done.result()
         partial = self._read_rows(in_part, planner) if in_part else []
         if partial:  # DCP's own reads for what _read_rows left
             super().read_data(LoadPlan(partial, plan.storage_data, plan.planner_data), planner).wait()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+    def _load_whole(self, name: str, ordered: list[ReadItem], planner: LoadPlanner) -> None:
+        with closing(self._read_ahead(name, ordered)) as items:  # stops the read-ahead at once on an error
+            for req, info, data in items:
+                self._consume(req, info, data, planner)
 
     def _read_ahead(self, name: str, ordered: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, memoryview]]:
         """(item, storage info, its bytes) in file order; a worker thread reads up to
@@ -192,19 +207,23 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         if req.type == LoadItemType.BYTE_IO or info.transform_descriptors:
             stream = self.transforms.transform_load_stream(req, info.transform_descriptors or (), MemoryReader(data))
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(stream.read(-1)))
+                value = io.BytesIO(stream.read(-1))
+                with self._planner_lock:
+                    planner.load_bytes(req, value)
                 return
             tensor = cast(torch.Tensor, torch.load(io.BytesIO(stream.read(-1)), map_location="cpu", weights_only=True))
         else:
             tensor = tensor_in_blob(data, source=f"{self.fs.concat_path(self.path, info.relative_path)} "
                                                  f"at byte {info.offset}")
         tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-        target = planner.resolve_tensor(req).detach()
+        with self._planner_lock:
+            target = planner.resolve_tensor(req).detach()
         if target.size() != tensor.size():
             raise ValueError(f"{req.storage_index}: the checkpoint holds {tuple(tensor.size())}, "
                              f"the target expects {tuple(target.size())}")
         target.copy_(tensor)
-        planner.commit_tensor(req, target)
+        with self._planner_lock:
+            planner.commit_tensor(req, target)
 
 
 def _row_span(payload: TensorPayload, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
