@@ -115,3 +115,24 @@ def test_abort_leaves_no_descriptor_open(tmp_path):
     writer.abort()
     if before is not None:
         assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize("limit", [20000, 16])
+def test_dcp_source_reads_through_one_descriptor_per_file_near_the_open_file_limit(tmp_path, monkeypatch, limit):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from fsdpkit.export import sources
+
+    state = {f"t{i}": torch.randn(40, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)}
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path, thread_count=2), no_dist=True)
+    monkeypatch.setattr(sources, "_open_file_limit", lambda: limit)
+    source = sources.DcpSource(tmp_path)
+    try:
+        for key, value in state.items():
+            assert torch.equal(source.read_rows(key, 5, 31), value[5:31])
+        directs = [r._direct is not None for r in source._readers.values()]
+        assert len(directs) == 2
+        assert directs == [limit > 2 * 2 + 256 and _direct_supported(tmp_path)] * 2
+    finally:
+        source.close()

@@ -65,12 +65,12 @@ def _bounce(nbytes: int) -> torch.Tensor:
 
 
 class DirectReader:
-    """Byte ranges of one file read into caller tensors; O_DIRECT through a bounce buffer per thread
-    (`bounce_bytes` at most are read per call)."""
+    """Byte ranges of one file read into caller tensors; O_DIRECT (unless not `direct`) through a
+    bounce buffer per thread (`bounce_bytes` at most are read per call)."""
 
-    def __init__(self, path: os.PathLike | str, fd: int, *, bounce_bytes: int) -> None:
+    def __init__(self, path: os.PathLike | str, fd: int, *, bounce_bytes: int, direct: bool = True) -> None:
         self._fd = fd  # the caller's ordinary descriptor: the fallback, closed by the caller
-        self._direct = open_direct(path, os.O_RDONLY)
+        self._direct = open_direct(path, os.O_RDONLY) if direct else None
         self._bounce_bytes = _round_up(bounce_bytes) + ALIGN
 
     def close(self) -> None:

@@ -108,6 +108,15 @@ def _as_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
+def _open_file_limit() -> int:
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return 512
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
 def _ranged_get_into(obj: RemotePath, t: torch.Tensor, offset: int, *, what: str) -> None:
     """Ranged GETs of an object on object storage, straight into `t`'s memory."""
     view = memoryview(_as_bytes(t))
@@ -168,6 +177,10 @@ class DcpSource:
                          for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
         self._files: dict[str, Any] = {}
         self._readers: dict[str, DirectReader] = {}  # local files: O_DIRECT reads (fsdpkit.export.direct_io)
+        # An O_DIRECT reader holds a second descriptor per file: only where every file's two fit
+        # well within the open-file limit (a checkpoint of thousands of ranks reads through one).
+        files = {info.relative_path for info in self.metadata.storage_data.values()}
+        self._direct = 2 * len(files) + 256 <= _open_file_limit()
         self._payloads: dict[tuple[str, tuple[int, ...]], TensorPayload] = {}
         self._whole: tuple[str, torch.Tensor] | None = None  # the last tensor assembled whole
         # read_rows may run on several threads: data is read with pread (no shared file position),
@@ -202,7 +215,8 @@ class DcpSource:
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"{path} is missing; the checkpoint is incomplete") from None
             if isinstance(path, Path):
-                self._readers[relative] = DirectReader(path, self._files[relative].fileno(), bounce_bytes=BLOCK_BYTES)
+                self._readers[relative] = DirectReader(path, self._files[relative].fileno(), bounce_bytes=BLOCK_BYTES,
+                                                       direct=self._direct)
         return self._files[relative]
 
     def payload(self, key: str, chunk: Chunk) -> TensorPayload:
