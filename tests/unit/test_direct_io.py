@@ -136,3 +136,24 @@ def test_dcp_source_reads_through_one_descriptor_per_file_near_the_open_file_lim
         assert directs == [limit > 2 * 2 + 256 and _direct_supported(tmp_path)] * 2
     finally:
         source.close()
+
+
+def test_a_failed_background_write_is_raised_to_the_caller(tmp_path, monkeypatch):
+    """A write that fails on a writer thread (a full disk) fails the export: at a later write or at close."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT here: writes are inline")
+    real_pwrite = os.pwrite
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN)
+    direct_fd = writer._direct
+
+    def full_disk(fd, *args):
+        if fd == direct_fd:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, *args)
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        for _ in range(8):
+            writer.write(_bytes(ALIGN))
+        writer.close()
+    writer.abort()

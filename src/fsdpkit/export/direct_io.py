@@ -17,7 +17,10 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import queue
 import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -111,14 +114,26 @@ class DirectReader:
 
 
 class DirectWriter:
-    """Appends bytes to a new file: whole aligned blocks with O_DIRECT from a staging buffer, the
-    last partial block through an ordinary descriptor. `close()` fsyncs. Without O_DIRECT, the
-    disk write-back of ordinary writes is started every `flush_bytes` (0: all in the final fsync)."""
+    """Appends bytes to a new file: whole aligned blocks with O_DIRECT from staging buffers, written
+    by `writers` threads while the caller fills the next buffer (an O_DIRECT write returns only once
+    the device has the bytes: written inline, it would stall the caller for every block), the last
+    partial block through an ordinary descriptor. `close()` waits for the writes and fsyncs.
+    Without O_DIRECT, the disk write-back of ordinary writes is started every `flush_bytes` (0: all
+    in the final fsync)."""
 
-    def __init__(self, path: os.PathLike | str, *, buffer_bytes: int, flush_bytes: int = 0) -> None:
+    def __init__(self, path: os.PathLike | str, *, buffer_bytes: int, flush_bytes: int = 0, writers: int = 2) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._direct = open_direct(path, os.O_WRONLY)
-        self._buffer = aligned_buffer(buffer_bytes) if self._direct is not None else None
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._pending: deque[Future] = deque()
+        self._pool: ThreadPoolExecutor | None = None
+        self._buffer: torch.Tensor | None = None
+        if self._direct is not None:
+            for _ in range(writers + 1):  # one filled by the caller while `writers` are written
+                self._free.put(aligned_buffer(buffer_bytes))
+            self._buffer = self._free.get()
+            self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="fsdpkit-direct-write")
+        self._refused = False  # O_DIRECT refused on the way: the blocks after it are written ordinarily
         self._filled = 0  # bytes staged in the buffer, which starts at file offset self._position
         self._position = 0
         self._flush_bytes = flush_bytes
@@ -130,7 +145,7 @@ class DirectWriter:
         self.written += data.numel()
         done = 0
         while done < data.numel():
-            if self._buffer is None:  # no O_DIRECT here, or refused on the way
+            if self._buffer is None:  # no O_DIRECT here
                 self._write_ordinary(data[done:].numpy())
                 return
             n = min(data.numel() - done, self._buffer.numel() - self._filled)
@@ -138,31 +153,34 @@ class DirectWriter:
             self._filled += n
             done += n
             if self._filled == self._buffer.numel():
-                self._flush(self._filled)
+                self._submit(self._filled)
+                self._buffer, self._filled = self._take(), 0
 
-    def _flush(self, nbytes: int) -> None:
-        """Write the first `nbytes` (a multiple of ALIGN) of the staging buffer; keep the rest."""
-        try:
-            _write_all(self._direct, self._buffer[:nbytes].numpy(), self._position)
-        except OSError as exc:
-            if not _refused(exc):
-                raise
-            os.close(self._direct)  # refused by this file system: what is staged, and all after it,
-            self._direct = None  # goes through the page cache
-            self._spill()
-            return
+    def _submit(self, nbytes: int) -> None:
+        """Hand the first `nbytes` (a multiple of ALIGN) of the buffer to a writer thread."""
+        self._pending.append(self._pool.submit(self._write_block, self._buffer, nbytes, self._position))
         self._position += nbytes
-        rest = self._filled - nbytes
-        if rest:
-            self._buffer[:rest].copy_(self._buffer[nbytes : self._filled].clone())
-        self._filled = rest
 
-    def _spill(self) -> None:
-        """Without O_DIRECT: write what is staged through the ordinary descriptor and stop staging."""
-        if self._buffer is not None and self._filled:
-            self._write_ordinary(self._buffer[: self._filled].numpy())
-            self._filled = 0
-        self._buffer = None
+    def _write_block(self, buffer: torch.Tensor, nbytes: int, offset: int) -> None:
+        view = buffer[:nbytes].numpy()
+        try:
+            if not self._refused:
+                try:
+                    _write_all(self._direct, view, offset)
+                    return
+                except OSError as exc:
+                    if not _refused(exc):
+                        raise
+                    self._refused = True  # this file system takes no O_DIRECT writes: the same bytes, ordinarily
+            _write_all(self._fd, view, offset)
+        finally:
+            self._free.put(buffer)
+
+    def _take(self) -> torch.Tensor:
+        """A free buffer (waiting for the oldest write if none is); raises a write's error."""
+        while self._pending and (self._pending[0].done() or self._free.empty()):
+            self._pending.popleft().result()
+        return self._free.get()
 
     def _write_ordinary(self, view) -> None:
         _write_all(self._fd, view, self._position)
@@ -174,24 +192,32 @@ class DirectWriter:
             self._flushed = self._position
 
     def close(self) -> None:
-        """Write what is staged, fsync and close."""
+        """Write what is staged, wait for every write, fsync and close."""
         try:
             if self._buffer is not None:
                 whole = self._filled - self._filled % ALIGN
+                tail = self._buffer[whole : self._filled].clone()
                 if whole:
-                    self._flush(whole)
-                self._spill()
+                    self._submit(whole)
+                while self._pending:
+                    self._pending.popleft().result()
+                if tail.numel():
+                    self._write_ordinary(tail.numpy())
             os.fsync(self._fd)
         finally:
             self.abort()
 
     def abort(self) -> None:
         """Close without writing what is staged (the caller is failing and removes the file)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # no write may land after its file is closed
+            self._pool = None
         for fd in (self._direct, self._fd):
             if fd is not None:
                 os.close(fd)
         self._direct = self._fd = None
         self._buffer = None
+        self._pending.clear()
 
 
 def _write_all(fd: int, view, offset: int) -> None:
