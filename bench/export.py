@@ -126,7 +126,7 @@ def evict(path: Path) -> None:
             os.close(fd)
 
 
-def _buffers(direct: bool) -> list:
+def _buffers() -> list:
     """Two 16 MiB buffers of random bytes, page-aligned (mmap) as O_DIRECT needs."""
     out = []
     for _ in range(2):
@@ -136,12 +136,18 @@ def _buffers(direct: bool) -> list:
     return out
 
 
+def _write_out(fd: int, buf, n: int) -> None:
+    view = memoryview(buf)[:n]
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _open(path: Path, flags: int, direct: bool) -> int:
     return os.open(path, flags | (os.O_DIRECT if direct else 0), 0o644)
 
 
 def _write_seconds(path: Path, nbytes: int, *, direct: bool) -> float:
-    block = _buffers(direct)[0]
+    block = _buffers()[0]
     t0 = time.perf_counter()
     fd = _open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
     for _ in range(nbytes // len(block)):
@@ -153,7 +159,7 @@ def _write_seconds(path: Path, nbytes: int, *, direct: bool) -> float:
 
 def _read_seconds(path: Path, *, direct: bool) -> float:
     evict(path)
-    buf = _buffers(direct)[0]
+    buf = _buffers()[0]
     t0 = time.perf_counter()
     fd = _open(path, os.O_RDONLY, direct)
     while os.readv(fd, [buf]):
@@ -168,7 +174,7 @@ def _copy_seconds(src: Path, dst: Path, *, direct: bool) -> float:
     evict(src)
     free: queue.Queue = queue.Queue()
     full: queue.Queue = queue.Queue()
-    for buf in _buffers(direct):
+    for buf in _buffers():
         free.put(buf)
 
     def read() -> None:
@@ -189,9 +195,7 @@ def _copy_seconds(src: Path, dst: Path, *, direct: bool) -> float:
         buf, n = full.get()
         if n == 0:
             break
-        view = memoryview(buf)[:n]
-        while view:
-            view = view[os.write(fd, view):]
+        _write_out(fd, buf, n)
         free.put(buf)
     os.fsync(fd)
     os.close(fd)
@@ -205,13 +209,11 @@ def _serial_copy_seconds(src: Path, dst: Path, *, direct: bool) -> float:
     """Seconds to copy `src` (cold) to `dst` with fsync on one thread, 16 MiB read then written
     (as `dd`): on a disk whose reads and writes slow each other, this can beat the overlapped copy."""
     evict(src)
-    buf = _buffers(direct)[0]
+    buf = _buffers()[0]
     t0 = time.perf_counter()
     fin, fout = _open(src, os.O_RDONLY, direct), _open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct)
     while n := os.readv(fin, [buf]):
-        view = memoryview(buf)[:n]
-        while view:
-            view = view[os.write(fout, view):]
+        _write_out(fout, buf, n)
     os.fsync(fout)
     os.close(fin)
     os.close(fout)
