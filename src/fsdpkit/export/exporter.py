@@ -1,8 +1,9 @@
 """Export a checkpoint's model weights as safetensors, streaming, in one process.
 
 Tensors are read a block of rows at a time (`tunables.BLOCK_BYTES`), converted to the output
-dtype and appended to the output file, with the next block read ahead by one thread while the
-current one is written. Peak memory is a few blocks whatever the model size. The output is
+dtype and appended to the output file, with the next `tunables.READ_AHEAD` blocks read on as many
+threads while the current one is written (local files with O_DIRECT: fsdpkit.export.direct_io).
+Peak memory is a few blocks whatever the model size. The output is
 written under a temporary name beside the target and renamed into place when complete (files
 fsynced first), so a reader never sees half an export.
 """
@@ -236,7 +237,7 @@ def _out_dtype(stored: torch.dtype, target: torch.dtype | None) -> torch.dtype:
 class _BlockBuffers:
     """A few fixed buffers that blocks are read (and converted) into, reused round-robin.
 
-    Why not a fresh tensor per block: blocks are allocated on the read-ahead thread and freed on
+    Why not a fresh tensor per block: blocks are allocated on the read-ahead threads and freed on
     the writing thread, and glibc then keeps much of that memory in its arenas; reusing fixed
     buffers keeps the resident size flat, whatever the number of blocks.
     """
@@ -317,7 +318,7 @@ def _write_files(opened: OpenedCheckpoint, names: dict[str, str], out_dtypes: di
             writer.close()
             written[file] = {"bytes": writer.file_bytes, "tensors": len(group)}
     finally:
-        stream.close()  # stops the read-ahead thread at once if writing failed
+        stream.close()  # stops the read-ahead threads at once if writing failed
     return written
 
 
