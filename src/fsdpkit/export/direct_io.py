@@ -143,11 +143,11 @@ class DirectWriter:
     def write(self, data: torch.Tensor) -> None:
         """Append a contiguous uint8 tensor's bytes."""
         self.written += data.numel()
+        if self._buffer is None:  # no O_DIRECT here
+            self._write_ordinary(data.numpy())
+            return
         done = 0
         while done < data.numel():
-            if self._buffer is None:  # no O_DIRECT here
-                self._write_ordinary(data[done:].numpy())
-                return
             n = min(data.numel() - done, self._buffer.numel() - self._filled)
             self._buffer[self._filled : self._filled + n].copy_(data[done : done + n])
             self._filled += n
