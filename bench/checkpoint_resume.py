@@ -143,7 +143,10 @@ def bench_resume(b: Bench, root: Path, *, first: str, runs: int, launch_t0: floa
 
 
 def bench_scale(b: Bench, root: Path, keep: Path, runs: int) -> dict[str, Any]:
-    """fsdpkit save_checkpoint and dcp.save alternating; the last fsdpkit save is kept at `keep`."""
+    """fsdpkit save_checkpoint and dcp.save alternating (AB BA AB ...); the last fsdpkit save is kept
+    at `keep`. With an odd `runs`, one method is first in one pair more: at 2 GiB this VM's disk
+    alternated slow and fast writes (2.2-2.8 s vs 1.0-1.3 s, whichever method wrote), so 5 runs gave
+    fsdpkit 3 slow saves and dcp.save 2; the default is even."""
     methods = {"fsdpkit save_checkpoint": lambda path: save_fsdpkit(b, path), "dcp.save": lambda path: save_dcp(b, path)}
     times: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, list[float]] = {m: [] for m in methods}
