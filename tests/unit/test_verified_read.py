@@ -1,8 +1,10 @@
 """ReadAheadFileSystemReader's partial reads (a load at another world size): the rows a target
-needs are read from the file on their own, other slices go to DCP, and a short file is named."""
+needs are read from the file on their own, other slices go to DCP, and a short file is named;
+the read buffers are mappings of their own, and file checksums span several reads."""
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 
@@ -15,8 +17,9 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
+from fsdpkit.checkpoint.hashing import READ_CHUNK_BYTES, file_checksum
 from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
-from fsdpkit.checkpoint.verified_read import ReadAheadFileSystemReader
+from fsdpkit.checkpoint.verified_read import ReadAheadFileSystemReader, _Buffers
 
 
 class _Planner:
@@ -123,3 +126,26 @@ def test_a_truncated_file_is_named(saved):
         reader.read_data(LoadPlan([_item("w", (8, 0), (2, 6))]), _Planner({"w": torch.empty(2, 6)})).wait()
     assert str(data_file) in str(caught.value)
     assert os.path.getsize(data_file) == info.offset + info.length - 8
+
+
+def test_read_buffers_are_mappings_of_their_own_and_reused():
+    """Buffers bypass malloc (whose raised mmap threshold slowed the reads after a dcp.load) and
+    come back for the next item that fits."""
+    buffers = _Buffers()
+    first = buffers.take(3 << 20)
+    assert isinstance(first.obj, mmap.mmap) and len(first) == 3 << 20
+    backing = first.obj
+    buffers.give_back(first)
+    again = buffers.take(1 << 20)
+    assert again.obj is backing and len(again) == 1 << 20
+    other = buffers.take(2 << 20)  # the first is handed out: a new mapping
+    assert other.obj is not backing and isinstance(other.obj, mmap.mmap)
+
+
+def test_file_checksum_over_several_read_chunks(tmp_path):
+    data = os.urandom(READ_CHUNK_BYTES * 2 + 12345)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    assert file_checksum(path) == (len(data), xxhash.xxh3_64_hexdigest(data))
+    (tmp_path / "empty").write_bytes(b"")
+    assert file_checksum(tmp_path / "empty") == (0, xxhash.xxh3_64_hexdigest(b""))
