@@ -50,9 +50,9 @@ def saved(tmp_path):
     return tmp_path, state
 
 
-def _reader(path):
+def _reader(path, *, hash_files=True):
     sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
-    reader = ReadAheadFileSystemReader(path, sizes=sizes, hash_files=True)
+    reader = ReadAheadFileSystemReader(path, sizes=sizes, hash_files=hash_files)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, is_coordinator=True)
     return reader
@@ -85,6 +85,29 @@ def test_row_slices_are_read_on_their_own_other_slices_go_to_dcp(saved, monkeypa
     assert left_to_dcp == ["cols"]
     assert sorted(planner.committed) == ["cols", "h", "s", "v", "w"]
     assert reader.digests == {}  # no file was read whole, so none was hashed here (verify_rest does it)
+
+
+@pytest.mark.parametrize("hash_files", [False, True])
+def test_a_file_whose_every_item_is_touched_but_only_in_part(saved, monkeypatch, hash_files):
+    """At another world size a rank may need some rows of every item of a file: without hashing
+    it reads just those rows (not the whole file); with hashing it reads the file whole, once,
+    and hashes it."""
+    path, state = saved
+    whole: list[str] = []
+    real = ReadAheadFileSystemReader._load_whole
+    monkeypatch.setattr(ReadAheadFileSystemReader, "_load_whole",
+                        lambda self, name, *a: (whole.append(name), real(self, name, *a))[1])
+    targets = {"w": torch.empty(4, 6), "v": torch.empty(7), "s": torch.empty(()), "h": torch.empty(2, 3, dtype=torch.bfloat16)}
+    items = [_item("w", (3, 0), (4, 6)), _item("v", (0,), (7,)), _item("s", (), ()), _item("h", (1, 0), (2, 3))]
+    reader = _reader(path, hash_files=hash_files)
+    planner = _Planner(targets)
+    reader.read_data(LoadPlan(items), planner).wait()
+    assert torch.equal(targets["w"], state["w"][3:7]) and torch.equal(targets["v"], state["v"])
+    assert torch.equal(targets["s"], state["s"]) and torch.equal(targets["h"], state["h"][1:3])
+    assert sorted(planner.committed) == ["h", "s", "v", "w"]
+    name = reader.storage_data[MetadataIndex("w", torch.Size([0, 0]))].relative_path
+    assert whole == ([name] if hash_files else [])
+    assert sorted(reader.digests) == ([name] if hash_files else [])
 
 
 def test_several_whole_files_stream_side_by_side_and_are_hashed(tmp_path, monkeypatch):

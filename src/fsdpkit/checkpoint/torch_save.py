@@ -15,6 +15,7 @@ UnsafeCheckpointError before it could run; nothing in the blob is ever called.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import struct
 import zipfile
@@ -266,6 +267,9 @@ class MemoryReader(_Window):
 class FileWindow(_Window):
     """A read-only, seekable view of bytes [start, start + length) of an open binary file.
 
+    Reads are positional (pread on the file's descriptor): the file's own position is neither
+    used nor moved, so windows on one file may be read from several threads at once.
+
     Why not DCP's `_create_file_view`: zipfile seeks relative to the end of the archive, which
     that view does not support.
     """
@@ -279,7 +283,6 @@ class FileWindow(_Window):
         n = max(0, min(len(view), self._length - self._pos))
         if n == 0:
             return 0
-        self._raw.seek(self._start + self._pos)
-        got = self._raw.readinto(view[:n]) or 0
+        got = os.preadv(self._raw.fileno(), [view[:n]], self._start + self._pos)
         self._pos += got
         return got
