@@ -12,6 +12,7 @@ import ctypes
 import gc
 import json
 import math
+import mmap
 import os
 import shutil
 import statistics
@@ -526,20 +527,52 @@ def load_dcp_plain(b: Bench, path: Path) -> None:
     set_state_dict(b.model, b.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+RAW_READ = "raw read of each rank's share of the bytes (ceiling)"
+
+
+def read_raw(b: Bench, path: Path) -> None:
+    """The disk's read ceiling for this load, taken beside it: rank r of N reads the r-th Nth of
+    the checkpoint's data files (their bytes one after another) in 16 MiB preads into one buffer."""
+    files = sorted(path.glob("*.distcp"))
+    sizes = [f.stat().st_size for f in files]
+    total, n = sum(sizes), tdist.get_world_size(b.sync_group)
+    lo, hi = total * b.rank // n, total * (b.rank + 1) // n
+    with mmap.mmap(-1, RAW_CHUNK) as buf:
+        view = memoryview(buf)
+        try:
+            base = 0
+            for f, size in zip(files, sizes, strict=True):
+                a, z = max(lo, base), min(hi, base + size)
+                if a < z:
+                    fd = os.open(f, os.O_RDONLY)
+                    try:
+                        pos = a - base
+                        while pos < z - base:  # preadv may return less than asked: count what it read
+                            pos += os.preadv(fd, [view[: min(RAW_CHUNK, z - base - pos)]], pos)
+                    finally:
+                        os.close(fd)
+                base += size
+        finally:
+            view.release()
+
+
 def bench_load(b: Bench, path: Path, runs: int) -> dict[str, Any]:
-    """Cold-ish loads of `path` (page cache dropped with posix_fadvise before each)."""
+    """Cold-ish loads of `path` (page cache dropped with posix_fadvise before each), and the raw
+    read of the same bytes on as many ranks in the same rotation: this disk's speed drifts by up to
+    2x over minutes, and B5 compares loads timed in different launches."""
     variants: dict[str, Callable[[], Any]] = {
         "fsdpkit load_checkpoint": lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint,
                                                            group=b.sync_group, verify=False),
         "fsdpkit load_checkpoint, verify=True": lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint,
                                                                         group=b.sync_group, verify=True),
         "dcp.load + set_state_dict": lambda: load_dcp_plain(b, path),
+        RAW_READ: lambda: read_raw(b, path),
     }
     names = list(variants)
     times: dict[str, list[float]] = {n: [] for n in names}
     verify_s = []
     for r in range(runs):
-        for name in names[r % 3:] + names[: r % 3]:
+        for name in names[r % len(names):] + names[: r % len(names)]:
             drop_page_cache(path)
             report, dt = timed(variants[name], b.sync_group)
             times[name].append(dt)
