@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,21 @@ def test_file_window_supports_seeks_from_the_end(tmp_path):
         assert w.read() == b"23456"
         w.seek(-2, io.SEEK_END)
         assert w.read(10) == b"56"
+    fileless = FileWindow(io.BytesIO(b"0123456789"), 2, 5)  # no descriptor (fsspec files): seeks instead
+    assert fileless.read() == b"23456"
+
+
+def test_file_windows_on_one_file_read_from_threads(tmp_path):
+    """Positional reads: windows sharing one open file do not move each other's position."""
+    data = os.urandom(1 << 20)
+    (tmp_path / "f").write_bytes(data)
+    with open(tmp_path / "f", "rb") as f, ThreadPoolExecutor(max_workers=4) as pool:
+        def read(i: int) -> bytes:
+            w, got = FileWindow(f, i * 4096, 4096), b""
+            while chunk := w.read(100):  # many small reads, interleaved across the threads
+                got += chunk
+            return got
+        assert list(pool.map(read, range(256))) == [data[i * 4096 : (i + 1) * 4096] for i in range(256)]
 
 
 def test_streaming_writer_output_reads_back_with_safe_open(tmp_path):

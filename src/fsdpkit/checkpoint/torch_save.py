@@ -267,8 +267,9 @@ class MemoryReader(_Window):
 class FileWindow(_Window):
     """A read-only, seekable view of bytes [start, start + length) of an open binary file.
 
-    Reads are positional (pread on the file's descriptor): the file's own position is neither
-    used nor moved, so windows on one file may be read from several threads at once.
+    On a file with a descriptor, reads are positional (pread): the file's own position is neither
+    used nor moved, so windows on one file may be read from several threads at once. Other file
+    objects (object storage through fsspec) are read by seeking them: one thread at a time.
 
     Why not DCP's `_create_file_view`: zipfile seeks relative to the end of the archive, which
     that view does not support.
@@ -277,12 +278,20 @@ class FileWindow(_Window):
     def __init__(self, raw: IO[bytes], start: int, length: int) -> None:
         super().__init__(length)
         self._raw, self._start = raw, start
+        try:
+            self._fd: int | None = raw.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the latter
+            self._fd = None
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
         n = max(0, min(len(view), self._length - self._pos))
         if n == 0:
             return 0
-        got = os.preadv(self._raw.fileno(), [view[:n]], self._start + self._pos)
+        if self._fd is not None:
+            got = os.preadv(self._fd, [view[:n]], self._start + self._pos)
+        else:
+            self._raw.seek(self._start + self._pos)
+            got = self._raw.readinto(view[:n]) or 0
         self._pos += got
         return got
