@@ -7,9 +7,9 @@ read-ahead thread (hashing it there when asked), while the caller copies each te
 buffer into its target: one read, and one copy out of it where DCP makes two (into torch.load's
 own storage, then into the target). At the same world size that covers every data file. Of a file
 a rank needs only part of (a load at another world size: some of its items, or some rows of each),
-it reads just the rows its targets need,
-straight into them (DCP reads every item whole and copies it twice); files no rank read whole are
-hashed afterwards, split over ranks. `fsdpkit ckpt verify` keeps the separate, complete verification.
+it reads just the rows its targets need, straight into them (DCP reads every item whole and copies
+it twice); files no rank read whole are hashed afterwards, split over ranks. `fsdpkit ckpt verify`
+keeps the separate, complete verification.
 """
 
 from __future__ import annotations
@@ -292,11 +292,12 @@ class _Buffers:
     is handed out at a time, so that is what it holds.
 
     Each buffer is an anonymous mapping of its own, not a malloc'd bytearray: glibc raises its
-    mmap threshold each time a large block is freed (torch.load's storages do that), after which
-    blocks of an item's size come from a thread arena that grows and shrinks under the process's
-    memory-map lock, and the read thread's copies into them slowed by 1.5x in a process that had
-    run `dcp.load` before (profiled: twice the kernel time in the reads). A mapping of its own
-    behaves the same whatever the process did before, and is not zero-filled first."""
+    mmap threshold to the size of each large block freed (torch.load's storages, in a process
+    that ran `dcp.load` before), after which an item-sized bytearray comes from a malloc arena.
+    In such processes the read thread's reads took 2-3x the kernel time and the loads ~1.5x as
+    long, and a fixed MALLOC_MMAP_THRESHOLD_ removed the difference (profiled in the bench's
+    resume launches). A mapping of its own does not depend on what the process did before, and
+    Python does not zero it first (the kernel zeroes each page as it is first touched)."""
 
     def __init__(self) -> None:
         self._free: list[mmap.mmap] = []
