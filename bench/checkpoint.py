@@ -51,8 +51,9 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
   over --b3-runs runs (for memory the worst case is the figure that matters).
 - B4 load: a checkpoint saved by fsdpkit on 2 ranks, loaded on 2 ranks after evicting its pages
   (posix_fadvise): fsdpkit `load_checkpoint` with and without verify, and plain dcp.load +
-  set_state_dict. B5 elastic load: the same checkpoint loaded on 1 and on 3 ranks (separate
-  torchrun launches); time relative to the 2-rank load.
+  set_state_dict, and in the same rotation a raw read of the same bytes on as many ranks (the
+  disk at that moment). B5 elastic load: the same checkpoint loaded on 1 and on 3 ranks (separate
+  torchrun launches); time relative to the 2-rank load, also each over its own raw read.
 - B6 goodput: --b6-steps fixed-cost steps, a save every --b6-every steps, for no checkpoint,
   fsdpkit sync, fsdpkit AsyncSaver (blocking and background staging) and dcp.async_save, state
   --b6-size-gib; --b6-rounds runs of each (medians), in the order A B C D E, then E D C B A, ...;

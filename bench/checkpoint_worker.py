@@ -537,23 +537,21 @@ def read_raw(b: Bench, path: Path) -> None:
     sizes = [f.stat().st_size for f in files]
     total, n = sum(sizes), tdist.get_world_size(b.sync_group)
     lo, hi = total * b.rank // n, total * (b.rank + 1) // n
+    spans, base = [], 0  # (file, first byte, end) of this rank's share in each file
+    for f, size in zip(files, sizes, strict=True):
+        if max(lo, base) < min(hi, base + size):
+            spans.append((f, max(lo, base) - base, min(hi, base + size) - base))
+        base += size
     with mmap.mmap(-1, RAW_CHUNK) as buf:
         view = memoryview(buf)
-        try:
-            base = 0
-            for f, size in zip(files, sizes, strict=True):
-                a, z = max(lo, base), min(hi, base + size)
-                if a < z:
-                    fd = os.open(f, os.O_RDONLY)
-                    try:
-                        pos = a - base
-                        while pos < z - base:  # preadv may return less than asked: count what it read
-                            pos += os.preadv(fd, [view[: min(RAW_CHUNK, z - base - pos)]], pos)
-                    finally:
-                        os.close(fd)
-                base += size
-        finally:
-            view.release()
+        for f, pos, end in spans:
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                while pos < end:  # preadv may return less than asked: count what it read
+                    pos += os.preadv(fd, [view[: min(RAW_CHUNK, end - pos)]], pos)
+            finally:
+                os.close(fd)
+        view.release()
 
 
 def bench_load(b: Bench, path: Path, runs: int) -> dict[str, Any]:
