@@ -60,6 +60,53 @@ def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes()
         assert len(data) == 6 + (2 << 20) + 100 + (5 << 20) - (7 if isinstance(raw, Short) else 0)
 
 
+def test_file_stream_starts_write_back_as_it_writes(tmp_path, monkeypatch):
+    """A file with a descriptor has its write-back started every WRITEBACK_BYTES, over ranges that
+    tile what was written; a stream without one (object storage) and a file system that refuses
+    the advice still write and hash every byte."""
+    import io
+    import os
+
+    import xxhash
+
+    from fsdpkit.checkpoint import hashing
+
+    monkeypatch.setattr(hashing, "WRITEBACK_BYTES", 3 << 20)
+    advice: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, how: advice.append((offset, length, how)))
+    chunk = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8).numpy()
+
+    def write(raw) -> dict:
+        got: dict = {}
+        stream = hashing._HashingStream(raw, lambda size, digest: got.update(size=size, digest=digest))
+        for _ in range(10):
+            stream.write(chunk)
+        stream.close()
+        return got
+
+    path = tmp_path / "shard.distcp"
+    with path.open("wb") as raw:
+        got = write(raw)
+    data = path.read_bytes()
+    assert got == {"size": 10 << 20, "digest": xxhash.xxh3_64(data).hexdigest()}
+    assert advice == [(0, 3 << 20, os.POSIX_FADV_DONTNEED), (3 << 20, 3 << 20, os.POSIX_FADV_DONTNEED),
+                      (6 << 20, 3 << 20, os.POSIX_FADV_DONTNEED)]
+
+    advice.clear()
+    assert write(io.BytesIO())["size"] == 10 << 20  # no descriptor: no advice
+    assert advice == []
+
+    def refuse(*args):
+        advice.append(args)
+        raise OSError(29, "Illegal seek")
+
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    with path.open("wb") as raw:
+        got = write(raw)
+    assert got == {"size": 10 << 20, "digest": xxhash.xxh3_64(path.read_bytes()).hexdigest()}
+    assert len(advice) == 1  # refused once, then not asked again
+
+
 def _native_rows_sum():
     """fsdpkit's C row hash; skips only where no C compiler could have built it."""
     import shutil

@@ -1,7 +1,8 @@
 """Checksums: of files, computed while DCP writes them; of tensors, independent of sharding.
 
 File checksums are xxh3-64 over every byte written, recorded by a stream wrapper installed in
-DCP's FileSystemWriter, so no second read is needed.
+DCP's FileSystemWriter, so no second read is needed. The same wrapper starts each local file's
+write-back to disk as it goes (WRITEBACK_BYTES), so that the fsync at the end waits for little.
 
 Tensor checksums must come out the same for any world size, since a checkpoint saved on 4 ranks
 is verified after loading on 3. FSDP2 shards dim 0, so each row lives whole on one rank; a sum
@@ -42,6 +43,12 @@ ROWS, LINEAR = "xxh3_64-rows", "linear"  # tensor hash algorithms (see above)
 MASK64 = (1 << 64) - 1
 HASH_CHUNK_ELEMS = int(os.environ.get("FSDPKIT_HASH_CHUNK_ELEMS", str(1 << 22)))
 READ_CHUNK_BYTES = 8 << 20
+WRITEBACK_BYTES = int(os.environ.get("FSDPKIT_WRITEBACK_BYTES", str(64 << 20)))
+"""A checkpoint file on a local disk has its write-back started every this many bytes written
+(posix_fadvise DONTNEED: it starts writing the dirty pages without waiting, and drops them once
+clean), instead of all of it in the fsync that ends the file; 0: all in the fsync. The disk then
+writes while the rest is serialised: 2 ranks saving 1 GiB took 0.67 s instead of 0.82 s (a raw
+write of the same bytes: 0.61 s instead of 0.70 s; medians of 8, 2-core VM, bench/RESULTS.md)."""
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 try:  # built by `pip install` where a C compiler is found (setup.py); optional
@@ -70,13 +77,18 @@ class _HashingStream(io.RawIOBase):
 
     A write of OVERLAP_BYTES or more is hashed on another thread while this one writes it, and
     `write` returns only when both are done: the caller (torch.save) may free or reuse the buffer
-    as soon as it returns, so the hash never reads it later."""
+    as soon as it returns, so the hash never reads it later.
+
+    Where `raw` has a descriptor, the write-back of every WRITEBACK_BYTES written is started as
+    the writing goes on (a new file, written from its start: the offsets are the byte counts)."""
 
     OVERLAP_BYTES = 1 << 20
 
     def __init__(self, raw, on_close):
         super().__init__()
         self._raw, self._on_close, self._hash, self._size = raw, on_close, xxhash.xxh3_64(), 0
+        self._fd = _descriptor(raw) if WRITEBACK_BYTES > 0 and hasattr(os, "posix_fadvise") else None
+        self._written_back = 0  # bytes whose write-back was started
 
     def writable(self) -> bool:
         return True
@@ -99,7 +111,16 @@ class _HashingStream(io.RawIOBase):
                 before.update(data[:n])
                 self._hash = before
         self._size += n
+        if self._fd is not None and self._size - self._written_back >= WRITEBACK_BYTES:
+            self._start_writeback()
         return n
+
+    def _start_writeback(self) -> None:
+        try:
+            os.posix_fadvise(self._fd, self._written_back, self._size - self._written_back, os.POSIX_FADV_DONTNEED)
+        except OSError:  # a file system or file type that takes no advice: the fsync writes it all
+            self._fd = None
+        self._written_back = self._size
 
     def tell(self) -> int:
         return self._raw.tell()
@@ -114,6 +135,14 @@ class _HashingStream(io.RawIOBase):
         if not self.closed:
             self._on_close(self._size, self._hash.hexdigest())
         super().close()
+
+
+def _descriptor(stream) -> int | None:
+    """The OS file descriptor under `stream`, or None (an object-store stream has none)."""
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+        return None
 
 
 class HashingFileSystem(FileSystemBase):
