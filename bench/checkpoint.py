@@ -111,13 +111,20 @@ FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps
 
 
 # -- ceilings --------------------------------------------------------------------------------
-def _write_file(path: Path, nbytes: int, block: bytes) -> tuple[float, float]:
-    """(seconds for write + fsync, of which fsync)."""
+def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0) -> tuple[float, float]:
+    """(seconds for write + fsync, of which fsync); with `writeback`, the write-back of every
+    `writeback` bytes is started as the writing goes on (posix_fadvise DONTNEED), as fsdpkit's
+    checkpoint writer does."""
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        for _ in range(nbytes // len(block)):
+        started = 0
+        for i in range(nbytes // len(block)):
             os.write(fd, block)
+            written = (i + 1) * len(block)
+            if writeback and written - started >= writeback:
+                os.posix_fadvise(fd, started, written - started, os.POSIX_FADV_DONTNEED)
+                started = written
         t1 = time.perf_counter()
         os.fsync(fd)
     finally:
@@ -156,25 +163,36 @@ def _concurrently(fns: list) -> float:
 
 def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block: bytes) -> dict[str, Any]:
     """`streams` new files of nbytes/streams each, written at once by as many threads (os.write
-    drops the GIL), each fsynced: what N ranks writing their shards at once can reach. A new set
-    of files per repetition, the previous set deleted first (the pattern of the checkpoint runs:
-    new files, the last run's deleted; rewriting one file in place was ~4x slower here)."""
+    drops the GIL), each fsynced: what N ranks writing their shards at once can reach. Two ways,
+    alternating: plain (all the write-back in the fsync) and starting the write-back every
+    WRITEBACK_BYTES as the writing goes on (fsdpkit's writer does); the ceiling is the faster
+    median. A new set of files per repetition, the previous set deleted first (the pattern of the
+    checkpoint runs: new files, the last run's deleted; rewriting one file in place was ~4x slower
+    here)."""
+    from fsdpkit.checkpoint.hashing import WRITEBACK_BYTES
+
     each = nbytes // streams // CHUNK * CHUNK
-    times, fsyncs = [], []
+    ways = {"plain": 0, **({"writeback": WRITEBACK_BYTES} if WRITEBACK_BYTES > 0 else {})}
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    fsyncs: dict[str, list[float]] = {w: [] for w in ways}
     previous: list[Path] = []
     for r in range(reps):
-        for p in previous:
-            p.unlink()
-        previous = [workdir / f"ceiling_{streams}_{r}_{i}.bin" for i in range(streams)]
-        out: list[tuple[float, float]] = []
-        times.append(_concurrently([lambda p=p, out=out: out.append(_write_file(p, each, block)) for p in previous]))
-        fsyncs.append(max(f for _, f in out))
+        for k, (way, writeback) in enumerate(ways.items()):
+            for p in previous:
+                p.unlink()
+            previous = [workdir / f"ceiling_{streams}_{r}_{k}_{i}.bin" for i in range(streams)]
+            out: list[tuple[float, float]] = []
+            times[way].append(_concurrently([lambda p=p, out=out, wb=writeback: out.append(_write_file(p, each, block, writeback=wb))
+                                             for p in previous]))
+            fsyncs[way].append(max(f for _, f in out))
     for p in previous:
         p.unlink()
     total = each * streams
-    runs = [total / t / 1e9 for t in times]
-    return {"streams": streams, "bytes": total, "gbps": statistics.median(runs), "runs_gbps": runs,
-            "fsync_s": fsyncs}
+    runs = {way: [total / t / 1e9 for t in ts] for way, ts in times.items()}
+    gbps = {way: statistics.median(r) for way, r in runs.items()}
+    best = max(gbps, key=gbps.__getitem__)
+    return {"streams": streams, "bytes": total, "gbps": gbps[best], "runs_gbps": runs[best], "fsync_s": fsyncs[best],
+            "best_way": best, "ways_gbps": gbps, "writeback_bytes": ways.get("writeback", 0)}
 
 
 def read_ceiling(paths: list[Path], *, reps: int, drop: bool, direct: bool = False) -> dict[str, Any]:

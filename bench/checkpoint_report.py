@@ -8,7 +8,8 @@ MiB = 2**20
 FSDPKIT_SYNC = "fsdpkit save_checkpoint"
 DCP_SYNC = "dcp.save"
 TORCH_SYNC = "torch.save (rank 0, full)"
-RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"  # B1's in-run disk ceiling
+RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"  # B1's in-run disk ceilings: this one,
+RAW_WRITE_WB = "raw write + fsync, write-back started every"  # and (a prefix) this one; the faster counts
 RAW_READ = "raw read of each rank's share of the bytes (ceiling)"  # B4/B5's, likewise
 FSDPKIT_ASYNC = "fsdpkit AsyncSaver"
 FSDPKIT_ASYNC_BG = "fsdpkit AsyncSaver, background staging"
@@ -69,11 +70,14 @@ def _b1(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, lines
                      f"whole save in the manifest {m['total_s']:.2f} s")
     gbps = total / med[FSDPKIT_SYNC] / 1e9
     others = f"the ceilings measured before the benchmarks: {n} streams {disk:.2f}: {gbps / disk:.2f}, 1 stream {one:.2f}: {gbps / one:.2f}"
-    if RAW_WRITE in med:  # the ceiling timed in the same rotation as the saves: same ranks, bytes and moment
-        raw = total / med[RAW_WRITE] / 1e9
+    raws = {name: total / t / 1e9 for name, t in med.items() if name == RAW_WRITE or name.startswith(RAW_WRITE_WB)}
+    if raws:  # the ceilings timed in the same rotation as the saves: same ranks, bytes and moment; the faster counts
+        best = max(raws, key=raws.__getitem__)
+        raw = raws[best]
+        each = ", ".join(f"{'write-back as it goes' if k != RAW_WRITE else 'plain'} {v:.2f}" for k, v in raws.items())
         _target(targets, f"B1 fsdpkit sync durable GB/s / raw write+fsync GB/s of the same bytes ({n} ranks at once, "
-                "timed in the same rotation)", size, gbps / raw, ">= 0.8", gbps / raw >= 0.8,
-                f"{gbps:.2f} / {raw:.2f} = {gbps / raw:.2f} ({others})")
+                "timed in the same rotation; the faster way)", size, gbps / raw, ">= 0.8", gbps / raw >= 0.8,
+                f"{gbps:.2f} / {raw:.2f} = {gbps / raw:.2f} (raw writes: {each}; {others})")
     else:
         _target(targets, f"B1 fsdpkit sync durable GB/s / disk write+fsync GB/s ({n} streams at once, as {n} ranks)",
                 size, gbps / disk, ">= 0.8", gbps / disk >= 0.8, f"{gbps:.2f} / {disk:.2f} = {gbps / disk:.2f} "
@@ -320,11 +324,22 @@ def _code_line(res: dict[str, Any]) -> str:
     return line + "; unchanged during the run"
 
 
+def _ways(w: dict[str, Any]) -> str:
+    """How a write ceiling was taken: the faster of plain writes and writes that start their
+    write-back as they go (older results: plain only)."""
+    ways = w.get("ways_gbps")
+    if not ways or len(ways) < 2:
+        return ""
+    return (f" (the faster median of: plain {ways['plain']:.2f}, write-back started every "
+            f"{w['writeback_bytes'] >> 20} MiB {ways['writeback']:.2f})")
+
+
 def _ceiling_rows(c: dict[str, Any]) -> list[str]:
     reps = c["reps"]
     rows = [f"| disk write + fsync, {n} stream(s) at once | **{w['gbps']:.2f} GB/s** | {_range(w['runs_gbps'])} | "
-            f"{n} new file(s) of {w['bytes'] / int(n) / 2**30:.2g} GiB, one thread each, 16 MiB os.write chunks, then fsync; "
-            f"the ceiling of {n} rank(s) saving |" for n, w in sorted(c["write_fsync"].items(), key=lambda x: int(x[0]))]
+            f"{n} new file(s) of {w['bytes'] / int(n) / 2**30:.2g} GiB, one thread each, 16 MiB os.write chunks, then fsync"
+            f"{_ways(w)}; the ceiling of {n} rank(s) saving |"
+            for n, w in sorted(c["write_fsync"].items(), key=lambda x: int(x[0]))]
     for k, r in c["read_cold"].items():
         if r is None:
             continue
@@ -396,7 +411,7 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     ]
     if b1:
         out += ["", "### B1 sync save (wall time until committed, 2 ranks; GB/s = all ranks' state bytes / time; the methods "
-                "rotate, the raw write of the same bytes among them as the disk's ceiling at this moment)",
+                "rotate, raw writes of the same bytes among them as the disk's ceiling at this moment: plain, and starting the write-back as they go, as fsdpkit's writer does)",
                 "| size GiB | method | median s | min–max (n) | durable GB/s | × disk, 2 streams (1 stream) | "
                 "time / dcp.save | time / fsdpkit |",
                 "|---|---|---|---|---|---|---|---|", *b1, *b1_notes]

@@ -9,6 +9,7 @@ gloo group, or the maximum over ranks where each rank measures its own (stalls, 
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import json
 import math
@@ -41,6 +42,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdpkit import dist
 from fsdpkit.checkpoint.async_save import AsyncSaver
+from fsdpkit.checkpoint.hashing import WRITEBACK_BYTES
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary
 from fsdpkit.checkpoint.resume import load_checkpoint
 from fsdpkit.checkpoint.save import save_checkpoint
@@ -318,17 +320,24 @@ def save_torch(b: Bench, root: Path) -> None:
 RAW_CHUNK = 16 << 20
 
 
-def write_raw(b: Bench, root: Path) -> None:
+def write_raw(b: Bench, root: Path, *, writeback: int = 0) -> None:
     """The disk's ceiling for this save, taken beside it: every rank writes its own state bytes
-    (the same bytes a save writes) to a new file in 16 MiB os.write calls, then fsyncs it."""
+    (the same bytes a save writes) to a new file in 16 MiB os.write calls, then fsyncs it; with
+    `writeback`, starting the write-back of every `writeback` bytes as it goes, as fsdpkit's
+    checkpoint writer does (hashing.WRITEBACK_BYTES)."""
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / f"raw_{b.rank}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    written = started = 0
     try:
         for t in local_tensors(b, with_steps=True):
             raw = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
             done = 0
             while done < len(raw):  # os.write may write less than asked: count what it wrote
-                done += os.write(fd, raw[done : done + RAW_CHUNK])
+                n = os.write(fd, raw[done : done + RAW_CHUNK])
+                done, written = done + n, written + n
+                if writeback and written - started >= writeback:
+                    os.posix_fadvise(fd, started, written - started, os.POSIX_FADV_DONTNEED)
+                    started = written
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -337,7 +346,11 @@ def write_raw(b: Bench, root: Path) -> None:
 SYNC_SAVES: dict[str, Callable[[Bench, Path], Any]] = {
     "fsdpkit save_checkpoint": save_fsdpkit, "dcp.save": save_dcp, "torch.save (rank 0, full)": save_torch}
 RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"
-B1_METHODS = {**SYNC_SAVES, RAW_WRITE: write_raw}  # B1 times the ceiling in the same rotation as the saves
+RAW_WRITE_WB = f"raw write + fsync, write-back started every {WRITEBACK_BYTES >> 20} MiB (ceiling)"
+RAW_WRITES: dict[str, Callable[[Bench, Path], Any]] = {RAW_WRITE: write_raw}
+if WRITEBACK_BYTES > 0:
+    RAW_WRITES[RAW_WRITE_WB] = functools.partial(write_raw, writeback=WRITEBACK_BYTES)
+B1_METHODS = {**SYNC_SAVES, **RAW_WRITES}  # B1 times the ceilings in the same rotation as the saves
 
 
 class AsyncMethod:
