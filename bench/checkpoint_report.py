@@ -447,8 +447,9 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "forward/backward/AdamW step). The checkpoint part: fsdpkit = resolve (newest committed) + "
                 "load_checkpoint(verify=True, verify_files=True) (every file's checksum from the load's own read, "
                 "then per-tensor checksums); plain = dcp.load + set_state_dict. 'in-process' = the "
-                f"checkpoint part repeated {cfg.get('resume_runs', 1)} time(s) per method in each launch after the first step "
-                "(cold pages, methods rotating), pooled.",
+                f"checkpoint part repeated {-(-cfg.get('resume_runs', 1) // 3) * 3} time(s) per method in each launch after "
+                "the first step (cold pages; each method following each about equally often: in one process a load "
+                "right after a dcp.load ran up to 2x slower), pooled.",
                 "| size GiB | method | launch → first step s (median) | min–max (n) | launch → model built s | "
                 "checkpoint part, first in the process s | first step s | checkpoint part in-process s | min–max (n) |",
                 "|---|---|---|---|---|---|---|---|---|", *b7]

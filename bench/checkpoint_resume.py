@@ -15,8 +15,8 @@ same host) until the first training step after the resume returned on every rank
 
 The first step is one real forward/backward/AdamW step. The checkpoint part (resolution to loaded
 and verified) is timed apart; after the first step the same process repeats the checkpoint part of
-both methods `--runs` times each (pages evicted before each, methods alternating) for medians and
-peak RSS.
+all three `--runs` times each (rounded up to a multiple of 3; pages evicted before each; each
+method following each about equally often, see `balanced_order`) for medians and peak RSS.
 
 Scaling (phase "scale"): per (size, ranks), fsdpkit `save_checkpoint` and plain `dcp.save`
 alternating, `--scale-runs` times each, wall time and peak RSS; the last fsdpkit save stays for
@@ -102,6 +102,24 @@ def _cold(b: Bench, root: Path) -> None:
     tdist.barrier(group=b.sync_group)
 
 
+DE_BRUIJN_3 = (0, 0, 1, 0, 2, 1, 1, 2, 2)
+"""Three methods, each 3 times, each following every method (itself too) once, but for the pair
+(2, 0) (the cycle's wrap-around)."""
+
+
+def balanced_order(methods: tuple[str, ...], runs: int, *, start: int) -> list[str]:
+    """`runs` loads of each of 3 `methods` (rounded up to a multiple of 3), in an order where each
+    follows each about equally often, the methods' roles rotated by `start`. Why: in one process,
+    a load right after a `dcp.load` ran up to 2x slower than after a load of another kind (1 GiB,
+    2 ranks: fsdpkit's 1.34-1.68 s after a dcp.load, 0.56-0.92 s after its own; dcp.load's 0.60-0.73
+    s either way), so a plain rotation, in which one method follows dcp.load more often than
+    dcp.load does, measured the order."""
+    if len(methods) != 3:
+        raise ValueError(f"balanced_order takes 3 methods, got {len(methods)}")
+    names = methods[start:] + methods[:start]
+    return [names[i] for _ in range(-(-runs // 3)) for i in DE_BRUIJN_3]
+
+
 def bench_resume(b: Bench, root: Path, *, first: str, runs: int, launch_t0: float) -> dict[str, Any]:
     """The first resume of this process (`first`), its first step, then `runs` more of each method."""
     t_start = time.time()
@@ -123,18 +141,16 @@ def bench_resume(b: Bench, root: Path, *, first: str, runs: int, launch_t0: floa
     times: dict[str, list[float]] = {m: [] for m in RESUME_METHODS}
     peaks: dict[str, list[float]] = {m: [] for m in RESUME_METHODS}
     fsdpkit_parts = []
-    n = len(RESUME_METHODS)
-    for r in range(runs):
-        for m in RESUME_METHODS[r % n:] + RESUME_METHODS[: r % n]:
-            _cold(b, root)
-            trim()
-            with PeakRSS() as peak:
-                parts, dt = timed(lambda m=m: RESUMES[m](b, root), b.sync_group)
-            times[m].append(dt)
-            peaks[m].append(max_over_ranks(float(peak.peak), b.sync_group))
-            if m == FSDPKIT:
-                fsdpkit_parts.append({k: max_over_ranks(v, b.sync_group) for k, v in parts.items()})
-        log(f"resume run {r + 1}/{runs}: " + ", ".join(f"{m} {times[m][-1]:.2f} s" for m in RESUME_METHODS))
+    for m in balanced_order(RESUME_METHODS, runs, start=RESUME_METHODS.index(first)):
+        _cold(b, root)
+        trim()
+        with PeakRSS() as peak:
+            parts, dt = timed(lambda m=m: RESUMES[m](b, root), b.sync_group)
+        times[m].append(dt)
+        peaks[m].append(max_over_ranks(float(peak.peak), b.sync_group))
+        if m == FSDPKIT:
+            fsdpkit_parts.append({k: max_over_ranks(v, b.sync_group) for k, v in parts.items()})
+        log(f"resume {m}: {dt:.2f} s")
     out.update({"seconds": times, "median_s": {m: med(times[m]) for m in RESUME_METHODS},
                 "peak_rss_bytes": {m: max(v) for m, v in peaks.items()},
                 "fsdpkit_parts_median_s": {k: med([p[k] for p in fsdpkit_parts]) for k in fsdpkit_parts[0]}

@@ -8,7 +8,8 @@ saves (min-max beside it); the first save of each kind is a warm-up and not coun
   reused pinned buffer), against `dcp.async_save()` until it returns, and against the ceiling, one
   device-to-host copy of the same bytes into pinned memory (one stream, as the save uses);
 - sync save: `Checkpointer.save()` (checksums, manifest, commit; no retention) against `dcp.save()` of the same
-  state, and against one stream writing the same bytes with fsync;
+  state, and against one stream writing the same bytes with fsync (the faster of plain writes and
+  writes that start their write-back every 64 MiB, as fsdpkit's writer does);
 - resume: a fresh Checkpointer's `resume()` of the newest sync checkpoint (resolution, load with the
   file checksums taken from the load's own read, restored-tensor checksums) against `dcp.load` +
   `set_state_dict` of the same checkpoint (both from the page cache).

@@ -1,6 +1,6 @@
-"""ReadAheadFileSystemReader's partial reads (a load at another world size): the rows a target
+"""VerifyingFileSystemReader's partial reads (a load at another world size): the rows a target
 needs are read from the file on their own, other slices go to DCP, and a short file is named;
-the read buffers are mappings of their own, and file checksums span several reads."""
+the read buffer is a mapping of its own, and file checksums span several reads."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.hashing import READ_CHUNK_BYTES, file_checksum
 from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
-from fsdpkit.checkpoint.verified_read import ReadAheadFileSystemReader, _Buffers
+from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader, _Buffer
 
 
 class _Planner:
@@ -52,7 +52,7 @@ def saved(tmp_path):
 
 def _reader(path, *, hash_files=True):
     sizes = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()}
-    reader = ReadAheadFileSystemReader(path, sizes=sizes, hash_files=hash_files)
+    reader = VerifyingFileSystemReader(path, sizes=sizes, hash_files=hash_files)
     metadata = reader.read_metadata()
     reader.set_up_storage_reader(metadata, is_coordinator=True)
     return reader
@@ -94,8 +94,8 @@ def test_a_file_whose_every_item_is_touched_but_only_in_part(saved, monkeypatch,
     and hashes it."""
     path, state = saved
     whole: list[str] = []
-    real = ReadAheadFileSystemReader._load_whole
-    monkeypatch.setattr(ReadAheadFileSystemReader, "_load_whole",
+    real = VerifyingFileSystemReader._load_whole
+    monkeypatch.setattr(VerifyingFileSystemReader, "_load_whole",
                         lambda self, name, *a: (whole.append(name), real(self, name, *a))[1])
     targets = {"w": torch.empty(4, 6), "v": torch.empty(7), "s": torch.empty(()), "h": torch.empty(2, 3, dtype=torch.bfloat16)}
     items = [_item("w", (3, 0), (4, 6)), _item("v", (0,), (7,)), _item("s", (), ()), _item("h", (1, 0), (2, 3))]
@@ -112,13 +112,13 @@ def test_a_file_whose_every_item_is_touched_but_only_in_part(saved, monkeypatch,
 
 def test_several_whole_files_stream_side_by_side_and_are_hashed(tmp_path, monkeypatch):
     threads: list[str] = []
-    real = ReadAheadFileSystemReader._load_whole
+    real = VerifyingFileSystemReader._load_whole
 
     def load_whole(self, *args):
         threads.append(threading.current_thread().name)
         return real(self, *args)
 
-    monkeypatch.setattr(ReadAheadFileSystemReader, "_load_whole", load_whole)
+    monkeypatch.setattr(VerifyingFileSystemReader, "_load_whole", load_whole)
     gen = torch.Generator().manual_seed(1)
     state = {f"t{i}": torch.randn(64, 32, generator=gen) for i in range(8)}
     state["meta"] = {"lr": 0.5, "betas": [0.9, 0.95]}  # byte items go through the planner too
@@ -151,18 +151,19 @@ def test_a_truncated_file_is_named(saved):
     assert os.path.getsize(data_file) == info.offset + info.length - 8
 
 
-def test_read_buffers_are_mappings_of_their_own_and_reused():
-    """Buffers bypass malloc (whose raised mmap threshold slowed the reads after a dcp.load) and
-    come back for the next item that fits."""
-    buffers = _Buffers()
-    first = buffers.take(3 << 20)
+def test_read_buffer_is_a_mapping_of_its_own_reused_and_grown():
+    """The buffer bypasses malloc (whose raised mmap threshold slowed the reads after a
+    dcp.load), is reused for every item that fits and grows for one that does not."""
+    buffer = _Buffer()
+    first = buffer.view(3 << 20)
     assert isinstance(first.obj, mmap.mmap) and len(first) == 3 << 20
     backing = first.obj
-    buffers.give_back(first)
-    again = buffers.take(1 << 20)
+    again = buffer.view(1 << 20)
     assert again.obj is backing and len(again) == 1 << 20
-    other = buffers.take(2 << 20)  # the first is handed out: a new mapping
-    assert other.obj is not backing and isinstance(other.obj, mmap.mmap)
+    larger = buffer.view(5 << 20)  # does not fit: a new, larger mapping; the old views stay valid
+    assert larger.obj is not backing and isinstance(larger.obj, mmap.mmap) and len(larger) == 5 << 20
+    first[:4] = b"abcd"
+    assert bytes(again[:4]) == b"abcd"
 
 
 def test_file_checksum_over_several_read_chunks(tmp_path):

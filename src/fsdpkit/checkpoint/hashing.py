@@ -239,7 +239,7 @@ def zip_crc32_off() -> Iterator[None]:
 def file_checksum(path: Path) -> tuple[int, str]:
     """(size, xxh3-64 hex digest) of a file on disk."""
     h, size = xxhash.xxh3_64(), 0
-    # One buffer, read into again and again: a mapping of its own (see verified_read._Buffers).
+    # One buffer, read into again and again: a mapping of its own (see verified_read._Buffer).
     with path.open("rb", buffering=0) as f, mmap.mmap(-1, READ_CHUNK_BYTES) as buf:
         view = memoryview(buf)
         try:

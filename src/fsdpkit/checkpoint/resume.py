@@ -26,7 +26,7 @@ from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
 from fsdpkit.checkpoint.storage import as_path, is_url
-from fsdpkit.checkpoint.verified_read import ReadAheadFileSystemReader, file_problems
+from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader, file_problems
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -225,7 +225,7 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
         # object storage has no verifying reader: stream every file's checksum first (two reads)
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
         check_files = False
-    local = None if is_url(ckpt_dir) else ReadAheadFileSystemReader(
+    local = None if is_url(ckpt_dir) else VerifyingFileSystemReader(
         ckpt_dir, sizes={n: i["size"] for n, i in files.items()}, hash_files=check_files)
     reader = local if local is not None else safe_reader(ckpt_dir)
     if check_files and METADATA_FILENAME in files:  # small; checked before anything reads it

@@ -2,14 +2,14 @@
 
 Why: checking every file's xxh3 before loading (`resolve_checkpoint(verify_checksums=True)`)
 reads the whole checkpoint once, then DCP reads it again to load it; on a cold cache that doubles
-the I/O of a resume. Here each rank reads every file it reads whole in offset order on a
-read-ahead thread (hashing it there when asked), while the caller copies each tensor from the read
-buffer into its target: one read, and one copy out of it where DCP makes two (into torch.load's
-own storage, then into the target). At the same world size that covers every data file. Of a file
-a rank needs only part of (a load at another world size: some of its items, or some rows of each),
-it reads just the rows its targets need, straight into them (DCP reads every item whole and copies
-it twice); files no rank read whole are hashed afterwards, split over ranks. `fsdpkit ckpt verify`
-keeps the separate, complete verification.
+the I/O of a resume. Here each rank reads every file it reads whole in offset order into one
+reused buffer (hashing it as it goes when asked) and copies each tensor from that buffer into its
+target: one read, and one copy out of it where DCP makes two (into torch.load's own storage, then
+into the target). At the same world size that covers every data file. Of a file a rank needs only
+part of (a load at another world size: some of its items, or some rows of each), it reads just the
+rows its targets need, straight into them (DCP reads every item whole and copies it twice); files
+no rank read whole are hashed afterwards, split over ranks. `fsdpkit ckpt verify` keeps the
+separate, complete verification.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import io
 import mmap
 import os
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
@@ -47,9 +46,6 @@ from fsdpkit.checkpoint.torch_save import (
     tensor_in_blob,
 )
 
-READ_AHEAD_BYTES = int(os.environ.get("FSDPKIT_LOAD_READ_AHEAD_BYTES", str(64 << 20)))
-"""Bytes a load reads ahead of the copies into the targets (at least one item, whatever its size)."""
-
 ROW_READ_THREADS = 4
 """Threads that read row ranges at once in a load at another world size."""
 
@@ -57,10 +53,10 @@ WHOLE_FILE_THREADS = 2
 """Files a rank that reads several whole files (fewer ranks than saved) streams at once."""
 
 
-class ReadAheadFileSystemReader(SafeFileSystemReader):
+class VerifyingFileSystemReader(SafeFileSystemReader):
     """`SafeFileSystemReader` that reads each file this rank reads whole in one sequential pass
-    on a read-ahead thread and copies every tensor from the read buffer into its target; with
-    `hash_files`, it also hashes (xxh3-64) those files as it reads them.
+    and copies every tensor from the read buffer into its target; with `hash_files`, it also
+    hashes (xxh3-64) those files as it reads them.
 
     After `dcp.load`, `digests` holds {file name: (size, hex digest)} for the files hashed; other
     files were read as DCP reads them (slices) and are not in it.
@@ -130,56 +126,36 @@ class ReadAheadFileSystemReader(SafeFileSystemReader):
         return fut
 
     def _load_whole(self, name: str, ordered: list[ReadItem], planner: LoadPlanner) -> None:
-        with closing(self._read_ahead(name, ordered)) as items:  # stops the read-ahead at once on an error
+        with closing(self._read_in_order(name, ordered)) as items:  # closes the file at once on an error
             for req, info, data in items:
                 self._consume(req, info, data, planner)
 
-    def _read_ahead(self, name: str, ordered: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, memoryview]]:
-        """(item, storage info, its bytes) in file order; a worker thread reads up to
-        READ_AHEAD_BYTES ahead, so the disk streams while the caller hashes the bytes (with
-        `hash_files`; xxh3 releases the GIL) and copies tensors out. With `hash_files`, records the
-        file's (size, digest) once it was read to the end.
+    def _read_in_order(self, name: str, ordered: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, memoryview]]:
+        """(item, storage info, its bytes) in file order, read on the calling thread into one
+        buffer reused from item to item (a view is valid until the next item is asked for); with
+        `hash_files`, hashed as read, and the file's (size, digest) recorded once read to the end.
 
-        The caller hashes, in the time it would otherwise wait for the disk (~0.45 of a 0.55 s
-        load, 2 ranks on 2 cores), and the reads never wait for a hash. With a third thread
-        hashing, 2 ranks on 2 cores loaded 1 GiB in 0.84 s against dcp.load's 0.66 s (medians of
-        10, cold pages, methods alternating in one process): 4 busy threads on 2 cores delayed the
-        reads themselves.
-
-        The bytes land in buffers reused from item to item (a view is valid until the caller asks
-        for the next item): a fresh buffer per item costs a page fault per 4 KiB, and faults taken
-        by this thread and by the caller serialise in the kernel."""
-        digest, size = xxhash.xxh3_64(), [0]
-        buffers = _Buffers()
-        with (self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream,
-              ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-load-read") as pool):
-
-            def read(length: int) -> memoryview:  # one worker: in submission order
-                view = buffers.take(length)
+        One thread, as DCP's own reader: the kernel's read-ahead streams the file meanwhile. A
+        read-ahead thread per rank (the caller hashing and copying, or a third thread hashing)
+        loaded 1 GiB on 2 ranks on 2 cores in 0.81-1.11 s against dcp.load's 0.61-0.75 s; one
+        thread, 0.70-0.77 s (medians of 8-10, cold pages, methods alternating in one process)."""
+        digest, size = xxhash.xxh3_64(), 0
+        buffer = _Buffer()
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+            for req in ordered:
+                info: _StorageInfo = self.storage_data[req.storage_index]
+                view = buffer.view(info.length)
                 got = 0
-                while got < length and (n := stream.readinto(view[got:])):
+                while got < info.length and (n := stream.readinto(view[got:])):
                     got += n
-                size[0] += got
-                return view[:got]
-
-            ahead: deque[tuple[ReadItem, _StorageInfo, futures.Future[memoryview]]] = deque()
-            queued = in_flight = 0
-            for _ in ordered:
-                while queued < len(ordered) and (not ahead or in_flight < READ_AHEAD_BYTES):
-                    info: _StorageInfo = self.storage_data[ordered[queued].storage_index]
-                    ahead.append((ordered[queued], info, pool.submit(read, info.length)))
-                    in_flight += info.length
-                    queued += 1
-                req, info, pending = ahead.popleft()
-                data = pending.result()
-                in_flight -= info.length
+                size += got
+                data = view[:got]
                 if self.hash_files:
                     digest.update(data)
                 yield req, info, data
-                buffers.give_back(data)  # the caller is done with it
             if self.hash_files:
-                longer = pool.submit(stream.read, 1).result()  # more than the manifest says: not the file written
-                self.digests[name] = (size[0] + len(longer), digest.hexdigest())
+                longer = stream.read(1)  # more than the manifest says: not the file written
+                self.digests[name] = (size + len(longer), digest.hexdigest())
 
     def _read_rows(self, in_part: dict[str, list[ReadItem]], planner: LoadPlanner) -> list[ReadItem]:
         """Items of files this rank needs only part of (a load at another world size): each
@@ -290,36 +266,25 @@ def _pread_exactly(fd: int, out: torch.Tensor, offset: int, nbytes: int, *, wher
         done += n
 
 
-class _Buffers:
-    """Byte buffers reused between items; at most the read-ahead window's worth (plus one item)
-    is handed out at a time, so that is what it holds.
+class _Buffer:
+    """One byte buffer, reused from item to item and grown to the largest item.
 
-    Each buffer is an anonymous mapping of its own, not a malloc'd bytearray: glibc raises its
-    mmap threshold to the size of each large block freed (torch.load's storages, in a process
-    that ran `dcp.load` before), after which an item-sized bytearray comes from a malloc arena.
-    In such processes the read thread's reads took 2-3x the kernel time and the loads ~1.5x as
-    long, and a fixed MALLOC_MMAP_THRESHOLD_ removed the difference (profiled in the bench's
-    resume launches). A mapping of its own does not depend on what the process did before, and
-    Python does not zero it first (the kernel zeroes each page as it is first touched)."""
+    An anonymous mapping of its own, not a malloc'd bytearray: glibc raises its mmap threshold to
+    the size of each large block freed (torch.load's storages, in a process that ran `dcp.load`
+    before), after which an item-sized bytearray comes from a malloc arena. In such processes the
+    reads took 2-3x the kernel time and the loads ~1.5x as long, and a fixed MALLOC_MMAP_THRESHOLD_
+    removed the difference (profiled in the bench's resume launches). A mapping of its own does not
+    depend on what the process did before, and Python does not zero it first (the kernel zeroes
+    each page as it is first touched); reusing it spares a page fault per 4 KiB per item."""
 
     def __init__(self) -> None:
-        self._free: list[mmap.mmap] = []
-        self._lock = threading.Lock()
+        self._map: mmap.mmap | None = None
 
-    def take(self, length: int) -> memoryview:
-        with self._lock:
-            fits = [b for b in self._free if len(b) >= length]
-            if fits:
-                buf = min(fits, key=len)
-                self._free.remove(buf)
-                return memoryview(buf)[:length]
-        return memoryview(mmap.mmap(-1, max(length, 1)))[:length]
-
-    def give_back(self, view: memoryview) -> None:
-        buf = view.obj
-        view.release()
-        with self._lock:
-            self._free.append(buf)
+    def view(self, length: int) -> memoryview:
+        if self._map is None or len(self._map) < length:
+            # The old mapping is unmapped once the last view of it is gone (a tensor may still hold one).
+            self._map = mmap.mmap(-1, max(length, 1))
+        return memoryview(self._map)[:length]
 
 
 def file_problems(ckpt_dir: Path, manifest: dict[str, Any], digests: dict[str, tuple[int, str]], *,
