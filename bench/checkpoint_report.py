@@ -448,8 +448,8 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "load_checkpoint(verify=True, verify_files=True) (every file's checksum from the load's own read, "
                 "then per-tensor checksums); plain = dcp.load + set_state_dict. 'in-process' = the "
                 f"checkpoint part repeated {-(-cfg.get('resume_runs', 1) // 3) * 3} time(s) per method in each launch after "
-                "the first step (cold pages; each method following each about equally often: in one process a load "
-                "right after a dcp.load ran up to 2x slower), pooled.",
+                "the first step (cold pages; each method following each about equally often: in one process fsdpkit's "
+                "load right after a dcp.load ran up to 2x slower than after its own), pooled.",
                 "| size GiB | method | launch → first step s (median) | min–max (n) | launch → model built s | "
                 "checkpoint part, first in the process s | first step s | checkpoint part in-process s | min–max (n) |",
                 "|---|---|---|---|---|---|---|---|---|", *b7]
