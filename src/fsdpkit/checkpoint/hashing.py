@@ -48,7 +48,8 @@ WRITEBACK_BYTES = int(os.environ.get("FSDPKIT_WRITEBACK_BYTES", str(64 << 20)))
 (posix_fadvise DONTNEED: it starts writing the dirty pages without waiting, and drops them once
 clean), instead of all of it in the fsync that ends the file; 0: all in the fsync. The disk then
 writes while the rest is serialised: 2 ranks saving 1 GiB took 0.67 s instead of 0.82 s (a raw
-write of the same bytes: 0.61 s instead of 0.70 s; medians of 8, 2-core VM, bench/RESULTS.md)."""
+write of the same bytes: 0.61 s instead of 0.70 s; medians of 8 in one process, alternating, 2-core
+VM; bench/RESULTS.md B1 has a full run's figures)."""
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 try:  # built by `pip install` where a C compiler is found (setup.py); optional

@@ -136,9 +136,9 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         `hash_files`, hashed as read, and the file's (size, digest) recorded once read to the end.
 
         One thread, as DCP's own reader: the kernel's read-ahead streams the file meanwhile. A
-        read-ahead thread per rank (the caller hashing and copying, or a third thread hashing)
-        loaded 1 GiB on 2 ranks on 2 cores in 0.81-1.11 s against dcp.load's 0.61-0.75 s; one
-        thread, 0.70-0.77 s (medians of 8-10, cold pages, methods alternating in one process)."""
+        read-ahead thread of our own (reading and hashing while the caller copies) was no faster:
+        1 GiB on 2 ranks on 2 cores, cold pages, alternating in one process, 0.75 s against this
+        version's 0.76 s (medians of 10); with a third thread hashing apart, slower."""
         digest, size = xxhash.xxh3_64(), 0
         buffer = _Buffer()
         with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
