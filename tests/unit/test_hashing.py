@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -60,12 +62,12 @@ def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes()
         assert len(data) == 6 + (2 << 20) + 100 + (5 << 20) - (7 if isinstance(raw, Short) else 0)
 
 
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here (macOS): no write-back advice")
 def test_file_stream_starts_write_back_as_it_writes(tmp_path, monkeypatch):
     """A file with a descriptor has its write-back started every WRITEBACK_BYTES, over ranges that
     tile what was written; a stream without one (object storage) and a file system that refuses
     the advice still write and hash every byte."""
     import io
-    import os
 
     import xxhash
 
