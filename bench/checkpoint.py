@@ -113,18 +113,16 @@ FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps
 # -- ceilings --------------------------------------------------------------------------------
 def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0) -> tuple[float, float]:
     """(seconds for write + fsync, of which fsync); with `writeback`, the write-back of every
-    `writeback` bytes is started as the writing goes on (posix_fadvise DONTNEED), as fsdpkit's
-    checkpoint writer does."""
+    `writeback` bytes is started as the writing goes on, as fsdpkit's checkpoint writer does."""
+    from fsdpkit.checkpoint.writeback import WriteBack
+
     t0 = time.perf_counter()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        started = 0
+        wb = WriteBack(fd, writeback)
         for i in range(nbytes // len(block)):
             os.write(fd, block)
-            written = (i + 1) * len(block)
-            if writeback and written - started >= writeback:
-                os.posix_fadvise(fd, started, written - started, os.POSIX_FADV_DONTNEED)
-                started = written
+            wb.written_to((i + 1) * len(block))
         t1 = time.perf_counter()
         os.fsync(fd)
     finally:

@@ -47,6 +47,7 @@ from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary
 from fsdpkit.checkpoint.resume import load_checkpoint
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
+from fsdpkit.checkpoint.writeback import WriteBack
 
 MiB = 2**20
 BATCH = 16  # rows per forward of the real step (only the setup step and its timing use it)
@@ -327,7 +328,7 @@ def write_raw(b: Bench, root: Path, *, writeback: int = 0) -> None:
     checkpoint writer does (hashing.WRITEBACK_BYTES)."""
     root.mkdir(parents=True, exist_ok=True)
     fd = os.open(root / f"raw_{b.rank}.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    written = started = 0
+    written, wb = 0, WriteBack(fd, writeback)
     try:
         for t in local_tensors(b, with_steps=True):
             raw = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -335,9 +336,7 @@ def write_raw(b: Bench, root: Path, *, writeback: int = 0) -> None:
             while done < len(raw):  # os.write may write less than asked: count what it wrote
                 n = os.write(fd, raw[done : done + RAW_CHUNK])
                 done, written = done + n, written + n
-                if writeback and written - started >= writeback:
-                    os.posix_fadvise(fd, started, written - started, os.POSIX_FADV_DONTNEED)
-                    started = written
+                wb.written_to(written)
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -40,6 +40,7 @@ from torch.distributed.fsdp import fully_shard
 from fsdpkit.checkpoint import Checkpointer
 from fsdpkit.checkpoint.dcp_storage import hashing_writer
 from fsdpkit.checkpoint.manifest import read_manifest
+from fsdpkit.checkpoint.writeback import WriteBack
 
 RESULTS = Path(__file__).parent / "results" / "gpu_checkpoint.json"
 WIDTH = 4096
@@ -84,12 +85,11 @@ def ceilings(nbytes: int, runs: int, scratch: Path, device: torch.device) -> dic
 
     def write(writeback: bool) -> None:  # with writeback: started every 64 MiB as it goes, as fsdpkit's writer does
         with open(scratch / "ceiling.bin", "wb") as f:
+            wb = WriteBack(f.fileno(), (64 << 20) if writeback else 0)
             for i in range(0, len(block), 64 << 20):
                 f.write(block[i:i + (64 << 20)])
-                if writeback:
-                    f.flush()
-                    os.posix_fadvise(f.fileno(), i, len(block[i:i + (64 << 20)]), os.POSIX_FADV_DONTNEED)
-            f.flush()
+                f.flush()
+                wb.written_to(min(i + (64 << 20), len(block)))
             os.fsync(f.fileno())
         (scratch / "ceiling.bin").unlink()
 

@@ -24,6 +24,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from fsdpkit.checkpoint.writeback import WriteBack
+
 ALIGN = 4096
 """Offsets, lengths and buffers of O_DIRECT I/O are multiples of this (the page size; every common
 device's logical block size divides it)."""
@@ -136,8 +138,7 @@ class DirectWriter:
         self._refused = False  # O_DIRECT refused on the way: the blocks after it are written ordinarily
         self._filled = 0  # bytes staged in the buffer, which starts at file offset self._position
         self._position = 0
-        self._flush_bytes = flush_bytes
-        self._flushed = 0  # ordinary writes: bytes whose write-back was started
+        self._writeback = WriteBack(self._fd, flush_bytes)  # ordinary writes
         self.written = 0  # bytes handed to write()
 
     def write(self, data: torch.Tensor) -> None:
@@ -185,11 +186,7 @@ class DirectWriter:
     def _write_ordinary(self, view) -> None:
         _write_all(self._fd, view, self._position)
         self._position += len(view)
-        if self._flush_bytes and self._position - self._flushed >= self._flush_bytes and hasattr(os, "posix_fadvise"):
-            # Starts write-back of what is written so far without waiting for it (and lets the
-            # kernel drop those pages once clean): the final fsync then has little left to do.
-            os.posix_fadvise(self._fd, self._flushed, self._position - self._flushed, os.POSIX_FADV_DONTNEED)
-            self._flushed = self._position
+        self._writeback.written_to(self._position)  # the final fsync then has little left to do
 
     def close(self) -> None:
         """Write what is staged, wait for every write, fsync and close."""
