@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from fsdpkit.checkpoint.writeback import WriteBack
+from fsdpkit.export.tunables import WRITE_THREADS
 
 ALIGN = 4096
 """Offsets, lengths and buffers of O_DIRECT I/O are multiples of this (the page size; every common
@@ -123,7 +124,7 @@ class DirectWriter:
     Without O_DIRECT, the disk write-back of ordinary writes is started every `flush_bytes` (0: all
     in the final fsync)."""
 
-    def __init__(self, path: os.PathLike | str, *, buffer_bytes: int, flush_bytes: int = 0, writers: int = 2) -> None:
+    def __init__(self, path: os.PathLike | str, *, buffer_bytes: int, flush_bytes: int = 0, writers: int = WRITE_THREADS) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._direct = open_direct(path, os.O_WRONLY)
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
