@@ -15,6 +15,7 @@ losses that follow with the uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,6 +28,7 @@ import torch.distributed as tdist
 from fsdpkit import dist
 from fsdpkit.checkpoint.errors import CheckpointMismatchError
 from fsdpkit.checkpoint.manager import CheckpointGroups, find_checkpoint
+from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader
 from fsdpkit.config import compose_config
 from fsdpkit.train.determinism import enable_determinism
 from fsdpkit.train.metrics import read_records
@@ -135,6 +137,28 @@ def elastic_load(work: Path, source: str, tag: str, overrides: tuple[str, ...] |
                    dump_final_to=work / "dumps" / f"saved_{tag}.pt" if stop_at else None)
 
 
+@contextlib.contextmanager
+def files_read_whole():
+    """The data files each rank streamed whole while loading (VerifyingFileSystemReader), gathered
+    over ranks when the block ends: [[files of rank 0], [files of rank 1], ...]."""
+    mine: list[str] = []
+    real = VerifyingFileSystemReader._load_whole
+
+    def spy(self, name, *args):
+        mine.append(name)
+        return real(self, name, *args)
+
+    VerifyingFileSystemReader._load_whole = spy
+    everyone: list[list[str]] = []
+    try:
+        yield everyone
+    finally:
+        VerifyingFileSystemReader._load_whole = real
+    gathered: list = [None] * tdist.get_world_size()
+    tdist.all_gather_object(gathered, sorted(mine))
+    everyone.extend(gathered)
+
+
 def phase_meshes(phase: str, work: Path) -> dict:
     """The checkpoints that change sharding strategy (and world size) on resume."""
     if phase == "ws4":
@@ -166,7 +190,10 @@ def main() -> None:
         res["src4"] = session(work / "src4", ["checkpoint.every_steps=6"], stop_at=6,
                               dump_final_to=work / "dumps" / "saved_ws4.pt")
     elif phase == "ws3":
-        res = {"4to3": elastic_load(work, "src4", "4to3"), "2to3": elastic_load(work, "src2", "2to3")}
+        res = {"4to3": elastic_load(work, "src4", "4to3")}
+        with files_read_whole() as read_whole:
+            res["2to3"] = elastic_load(work, "src2", "2to3")
+        res["2to3_read_whole"] = read_whole
     elif phase == "ws2b":
         res = {"4to2": elastic_load(work, "src4", "4to2")}
     else:

@@ -60,6 +60,19 @@ def test_elastic_resume_restores_state_bitwise_and_continues(ckpt, tag, source):
     assert max(abs(v - reference[s]) / reference[s] for s, v in resumed.items()) < FP32_RTOL
 
 
+def test_ranks_sharing_a_host_stream_each_saved_file_once_when_the_world_size_grows(ckpt):
+    """2 -> 3 ranks on one host: every rank needs part of a saved file; per file, the rank that
+    needs most of it reads it whole and the others take their rows from the page cache after it,
+    so the middle rank streams nothing itself."""
+    res, work = ckpt
+    files = sorted(p.name for p in (work / "src2" / "checkpoints" / "step_6").glob("*.distcp"))
+    read_whole = res["2to3_read_whole"]
+    assert files and sorted(f for rank in read_whole for f in rank) == files  # each file once, by one rank
+    assert read_whole[1] == []
+    assert read_whole[0] and all(f.startswith("__0_") for f in read_whole[0])  # saved by rank 0: two thirds are rank 0's
+    assert read_whole[2] and all(f.startswith("__1_") for f in read_whole[2])
+
+
 @pytest.mark.parametrize(
     ("tag", "saved", "mesh", "first"),
     [("fs4_to_hsdp", "saved_ws4", [2, 2], 7),  # FULL_SHARD on 4 -> HSDP 2x2

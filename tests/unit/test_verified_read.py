@@ -19,7 +19,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.hashing import READ_CHUNK_BYTES, file_checksum
 from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
-from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader, _Buffer
+from fsdpkit.checkpoint.verified_read import (
+    VerifyingFileSystemReader,
+    _Buffer,
+    assign_whole_readers,
+)
 
 
 class _Planner:
@@ -90,8 +94,8 @@ def test_row_slices_are_read_on_their_own_other_slices_go_to_dcp(saved, monkeypa
 @pytest.mark.parametrize("hash_files", [False, True])
 def test_a_file_whose_every_item_is_touched_but_only_in_part(saved, monkeypatch, hash_files):
     """At another world size a rank may need some rows of every item of a file: without hashing
-    it reads just those rows (not the whole file); with hashing it reads the file whole, once,
-    and hashes it."""
+    it reads just those rows (not the whole file); with hashing the plan (as DCP makes it, through
+    the coordinator) has it read the file whole, once, and hash it."""
     path, state = saved
     whole: list[str] = []
     real = VerifyingFileSystemReader._load_whole
@@ -101,13 +105,75 @@ def test_a_file_whose_every_item_is_touched_but_only_in_part(saved, monkeypatch,
     items = [_item("w", (3, 0), (4, 6)), _item("v", (0,), (7,)), _item("s", (), ()), _item("h", (1, 0), (2, 3))]
     reader = _reader(path, hash_files=hash_files)
     planner = _Planner(targets)
-    reader.read_data(LoadPlan(items), planner).wait()
+    plan = reader.prepare_global_plan([reader.prepare_local_plan(LoadPlan(items))])[0]
+    assert plan.storage_data["wait"] is False  # one rank: nobody to wait for
+    reader.read_data(plan, planner).wait()
     assert torch.equal(targets["w"], state["w"][3:7]) and torch.equal(targets["v"], state["v"])
     assert torch.equal(targets["s"], state["s"]) and torch.equal(targets["h"], state["h"][1:3])
     assert sorted(planner.committed) == ["h", "s", "v", "w"]
     name = reader.storage_data[MetadataIndex("w", torch.Size([0, 0]))].relative_path
     assert whole == ([name] if hash_files else [])
     assert sorted(reader.digests) == ([name] if hash_files else [])
+
+
+def test_ranks_of_a_host_that_need_parts_of_a_file_share_it_one_reads_it_whole(tmp_path, monkeypatch):
+    """As 3 ranks loading a 2-rank checkpoint on one host: each needs a third of every item of both
+    files; per file one rank reads it whole (the others' rows then come from the page cache after
+    the barrier the plan asks for) and the rest read just their rows."""
+    calls: list[tuple[int, str, str]] = []
+    real_whole, real_rows = VerifyingFileSystemReader._load_whole, VerifyingFileSystemReader._read_rows
+    monkeypatch.setattr(VerifyingFileSystemReader, "_load_whole",
+                        lambda self, name, *a: (calls.append((self.rank_for_test, "whole", name)), real_whole(self, name, *a))[1])
+    monkeypatch.setattr(VerifyingFileSystemReader, "_read_rows", lambda self, in_part, planner: (
+        calls.extend((self.rank_for_test, "rows", n) for n in in_part), real_rows(self, in_part, planner))[1])
+    gen = torch.Generator().manual_seed(2)
+    state = {f"t{i}": torch.randn(60, 16, generator=gen) for i in range(6)}
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path, thread_count=2), no_dist=True)
+    files = sorted(p.name for p in tmp_path.glob("*.distcp"))
+    assert len(files) == 2
+    readers, planners, local = [], [], []
+    for rank, (a, b) in enumerate([(0, 20), (20, 40), (40, 60)]):
+        reader = _reader(tmp_path, hash_files=False)
+        reader.rank_for_test = rank
+        targets = {k: torch.empty(b - a, 16) for k in state}
+        items = [_item(k, (a, 0), (b - a, 16)) for k in state]
+        readers.append(reader)
+        planners.append(_Planner(targets))
+        local.append(reader.prepare_local_plan(LoadPlan(items)))
+    assert all(p.storage_data["partial"].keys() == set(files) for p in local)
+    plans = readers[0].prepare_global_plan(local)  # rank 0 is the coordinator
+    assert [p.storage_data["read_whole"] for p in plans] == [[files[0]], [files[1]], []]
+    assert all(p.storage_data["wait"] is True for p in plans)
+    for reader, plan, planner in zip(readers, plans, planners, strict=True):
+        reader.read_data(plan, planner).wait()
+    for rank, (a, b) in enumerate([(0, 20), (20, 40), (40, 60)]):
+        for key, value in state.items():
+            assert torch.equal(planners[rank].targets[key], value[a:b]), (rank, key)
+    assert sorted(calls) == [(0, "rows", files[1]), (0, "whole", files[0]), (1, "rows", files[0]),
+                             (1, "whole", files[1]), (2, "rows", files[0]), (2, "rows", files[1])]
+
+
+@pytest.mark.parametrize(("needs", "hash_files", "whole", "wait"), [
+    # 2 -> 3 ranks on one host: the ranks needing two thirds read the files whole, the middle one waits
+    ([{"host": "a", "partial": {"f0": 60}}, {"host": "a", "partial": {"f0": 30, "f1": 30}},
+      {"host": "a", "partial": {"f1": 60}}], False, [{"f0"}, set(), {"f1"}], True),
+    # ... on three hosts: no page cache shared, each reads its parts (or, hashing, each file whole)
+    ([{"host": "a", "partial": {"f0": 60}}, {"host": "b", "partial": {"f0": 30, "f1": 30}},
+      {"host": "c", "partial": {"f1": 60}}], False, [set(), set(), set()], False),
+    ([{"host": "a", "partial": {"f0": 60}}, {"host": "b", "partial": {"f0": 30, "f1": 30}},
+      {"host": "c", "partial": {"f1": 60}}], True, [{"f0"}, {"f0", "f1"}, {"f1"}], False),
+    # 2 -> 4 on one host: equal needs, the lower rank reads; the next file goes to a rank with less to read
+    ([{"host": "a", "partial": {"f0": 45}}, {"host": "a", "partial": {"f0": 45}},
+      {"host": "a", "partial": {"f1": 45}}, {"host": "a", "partial": {"f1": 45}}], False,
+     [{"f0"}, set(), {"f1"}, set()], True),
+    ([{"host": "a", "partial": {"f0": 45, "f1": 45}}, {"host": "a", "partial": {"f0": 45, "f1": 45}}], False,
+     [{"f0"}, {"f1"}], True),
+    # together less than half of the file: each reads its parts; a plan without needs counts for nothing
+    ([{"host": "a", "partial": {"f0": 20}}, {"host": "a", "partial": {"f0": 20}}, None], False,
+     [set(), set(), set()], False),
+])
+def test_whole_readers_are_assigned_per_host(needs, hash_files, whole, wait):
+    assert assign_whole_readers(needs, {"f0": 90, "f1": 90}, hash_files=hash_files) == (whole, wait)
 
 
 def test_several_whole_files_stream_side_by_side_and_are_hashed(tmp_path, monkeypatch):

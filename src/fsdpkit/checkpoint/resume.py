@@ -226,7 +226,7 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
         check_files = False
     local = None if is_url(ckpt_dir) else VerifyingFileSystemReader(
-        ckpt_dir, sizes={n: i["size"] for n, i in files.items()}, hash_files=check_files)
+        ckpt_dir, sizes={n: i["size"] for n, i in files.items()}, hash_files=check_files, group=group)
     reader = local if local is not None else safe_reader(ckpt_dir)
     if check_files and METADATA_FILENAME in files:  # small; checked before anything reads it
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": {METADATA_FILENAME: files[METADATA_FILENAME]}},
