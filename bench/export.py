@@ -31,7 +31,7 @@ Targets (issue 15, item 9): peak RSS <= 0.1 x model size + 512 MiB; throughput (
 writes JSON to `--json`.
 
 Usage: python bench/export.py [--size-gib 2.0] [--reps 5] [--rlimit-gib 0.5] [--work DIR] [--keep]
-The defaults took about 3 minutes on this 2-core machine (less than 10 even with ~0.4 GB/s fsynced writes).
+The defaults took about 6 minutes on this 2-core machine.
 """
 
 from __future__ import annotations

@@ -291,9 +291,10 @@ class CheckpointConfig:
     (stop before the first step and say so) or `archive` (move them to `dir`/archive/<time>/).
     Nothing is ever deleted; two runs never share a directory."""
     verify_checksums: bool = True
-    """Verify every file's checksum on resume, from the bytes read for loading (one read; files a
-    resharded load reads only in part are hashed apart, spread over ranks) and refuse corrupt files:
-    with resume=auto a corrupt newest checkpoint is moved aside and the next older one loaded."""
+    """Verify every file's checksum on resume, from the bytes read for loading (one read; in a
+    resharded load, one rank per host streams each file its ranks need parts of and hashes it; files
+    no rank read whole are hashed apart, spread over ranks) and refuse corrupt files: with
+    resume=auto a corrupt newest checkpoint is moved aside and the next older one loaded."""
     verify_on_load: bool = True
     """After loading, compare per-tensor checksums and optimizer step counts with the manifest."""
     timeout_s: float = 600.0

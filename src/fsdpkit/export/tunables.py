@@ -13,7 +13,8 @@ rings, a bounce buffer per read thread for O_DIRECT, WRITE_THREADS + 1 write buf
 
 READ_AHEAD = int(os.environ.get("FSDPKIT_EXPORT_READ_AHEAD", "4"))
 """Blocks read ahead, in parallel threads, while the current one is written (at least 1). Four
-keep an O_DIRECT read queue deep enough (2 GiB on a 2-core VM: 2.4-2.6 s with 4, 2.9 s with 2)."""
+keep an O_DIRECT read queue deep enough (2 GiB on a 2-core VM: 2.4-2.6 s with 4, 2.9 s with 2 on
+one day; on a par, 3.1 s, on another, when reads and writes shared the disk's budget)."""
 
 WRITE_THREADS = int(os.environ.get("FSDPKIT_EXPORT_WRITE_THREADS", "2"))
 """O_DIRECT blocks of an output file written at once, on as many threads, while the next is filled
