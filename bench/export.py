@@ -10,8 +10,9 @@
    the runs (drift hits both alike), the checkpoint's own files read, written and copied with the
    export's own parallelism (READ_AHEAD read threads, WRITE_THREADS write threads, O_DIRECT). Each
    ceiling is the fastest of these. Where reads and writes share the disk's budget, a copy moves
-   no more bytes than reading or writing alone and no export beats it: the ratio to the copy is
-   shown beside the target's, with the copy's reads + writes per second over the faster of the two.
+   about as many bytes per second (reads and writes together) as reading or writing alone, and no
+   export beats the copy: the ratio to it is shown beside the target's, with the copy's reads +
+   writes per second over the faster of the two alone.
 3. Runs each variant `--reps` times, in its own subprocess (peak RSS = the child's ru_maxrss),
    the checkpoint evicted from the page cache before every run, outputs fsynced:
      fsdpkit        export_checkpoint(...) fp32 (byte-range reader, READ_AHEAD read threads,
