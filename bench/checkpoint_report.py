@@ -229,7 +229,7 @@ def _b6(g: dict[str, Any], label: str, targets: list, lines: list) -> None:
 
 def _b7(size: str, runs: list[dict[str, Any]], targets: list, lines: list) -> None:
     """Whole resume: launches (process start -> first step) and the checkpoint part in-process."""
-    from checkpoint_resume import FSDPKIT, PLAIN, TWO_READS  # noqa: I001 - a sibling module of this script
+    from checkpoint_resume import FSDPKIT, PLAIN, RESUME_METHODS, TWO_READS, balanced_order  # noqa: I001 - a sibling module of this script
 
     res = [r["resume"] for r in runs]
     for m in (FSDPKIT, TWO_READS, PLAIN):
@@ -253,10 +253,36 @@ def _b7(size: str, runs: list[dict[str, Any]], targets: list, lines: list) -> No
             "tensor checks) / dcp.load + set_state_dict", size, x, "<= 1.2", x <= 1.2,
             f"{part_f:.2f} s / {part_p:.2f} s = {x:.2f} (files verified before loading, two reads: "
             f"{_median([x for r in res for x in r['seconds'].get(TWO_READS, [])] or [float('nan')]) / part_p:.2f})")
+    after = _by_predecessor(res, RESUME_METHODS, balanced_order)
+    if after:
+        short = {FSDPKIT: "fsdpkit", TWO_READS: "two reads", PLAIN: "dcp.load"}
+        lines.append(f"in-process checkpoint part at {size} GiB by the load just before it in the process (medians, n): " + "; ".join(
+            f"{short[m]} after " + ", ".join(f"{short[p]} {_median(after[m, p]):.2f} s ({len(after[m, p])})"
+                                             for p in RESUME_METHODS if (m, p) in after)
+            for m in RESUME_METHODS))
     parts = [r["fsdpkit_parts_median_s"] for r in res if r.get("fsdpkit_parts_median_s")]
     if parts:
         lines.append(f"fsdpkit's parts at {size} GiB (medians over launches): " + ", ".join(
             f"{k} {_median([p[k] for p in parts]):.2f} s" for k in parts[0]))
+
+
+def _by_predecessor(res: list[dict[str, Any]], methods: tuple[str, ...], order) -> dict[tuple[str, str], list[float]]:
+    """In-process loads keyed by (method, the method of the load just before it): each launch ran
+    `order(methods, n, start=...)` after its first load (the order is fixed, so it is rebuilt here).
+    Empty if a launch's counts do not fit that order."""
+    after: dict[tuple[str, str], list[float]] = {}
+    for r in res:
+        n = len(r["seconds"].get(methods[0], []))
+        sequence = order(methods, n, start=methods.index(r["first_method"]))
+        if any(sequence.count(m) != len(r["seconds"].get(m, [])) for m in methods):
+            return {}
+        seen = dict.fromkeys(methods, 0)
+        before = r["first_method"]
+        for m in sequence:
+            after.setdefault((m, before), []).append(r["seconds"][m][seen[m]])
+            seen[m] += 1
+            before = m
+    return after
 
 
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
