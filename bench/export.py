@@ -134,10 +134,10 @@ def evict(path: Path) -> None:
             os.close(fd)
 
 
-def _buffers() -> list:
-    """Two 16 MiB buffers of random bytes, page-aligned (mmap) as O_DIRECT needs."""
+def _buffers(count: int = 2) -> list:
+    """`count` 16 MiB buffers of random bytes, page-aligned (mmap) as O_DIRECT needs."""
     out = []
-    for _ in range(2):
+    for _ in range(count):
         buf = mmap.mmap(-1, 16 * MIB)
         buf[:] = os.urandom(16 * MIB)
         out.append(buf)
@@ -245,9 +245,7 @@ def parallel_seconds(sources: list[Path], dst: Path | None, *, nbytes: int, read
     lock = threading.Lock()
     free: queue.SimpleQueue = queue.SimpleQueue()
     full: queue.SimpleQueue = queue.SimpleQueue()
-    for _ in range(readers + writers + 1):
-        buf = mmap.mmap(-1, block)
-        buf[:] = os.urandom(block)  # pages touched before the clock
+    for buf in _buffers(readers + writers + 1):  # pages touched before the clock
         free.put(buf)
     for path in sources:
         evict(path)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import io
+import math
 import mmap
 import os
 import socket
@@ -145,13 +146,7 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         sizes = self._chunk_sizes.get(req.storage_index)
         if req.type == LoadItemType.BYTE_IO or not sizes:
             return info.length
-        whole = 1
-        for n in sizes:
-            whole *= n
-        part = 1
-        for n in req.lengths:
-            part *= n
-        return info.length * part // max(whole, 1)
+        return info.length * math.prod(req.lengths) // max(math.prod(sizes), 1)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Tell the coordinator this rank's host and how many bytes it needs of each file it reads in part."""
