@@ -37,29 +37,53 @@ def test_unknown_algorithm_is_an_error():
         hash_part(torch.zeros(2, 2), first_row=0, algorithm="md5")
 
 
-def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes():
+@pytest.mark.parametrize("piece", [0, 256 << 10])
+def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes(monkeypatch, piece):
     """Writes under and over the overlap threshold (the latter hashed on another thread while
-    written), and a short write, give xxh3-64 of exactly the bytes the file holds."""
+    written), and a short write, give xxh3-64 of exactly the bytes the file holds; with pieces
+    (page_cache.WRITE_PIECE_BYTES), no write call is larger than a piece, and a short piece ends
+    the write there."""
     import io
 
     import xxhash
 
+    from fsdpkit.checkpoint import page_cache
     from fsdpkit.checkpoint.hashing import _HashingStream
 
-    class Short(io.BytesIO):  # accepts only part of one large write, as a non-blocking stream may
+    monkeypatch.setattr(page_cache, "WRITE_PIECE_BYTES", piece)
+
+    class Recording(io.BytesIO):
+        def __init__(self):
+            super().__init__()
+            self.calls: list[int] = []
+
         def write(self, b):
-            return super().write(bytes(b)[: len(b) - 7] if len(b) > 3 << 20 else b)
+            self.calls.append(len(b))
+            return super().write(b)
+
+    class Short(Recording):  # accepts only part of one large write, as a non-blocking stream may
+        short_done = False
+
+        def write(self, b):
+            if len(b) >= (piece or 3 << 20) and not self.short_done and sum(self.calls) > 2 << 20:
+                self.short_done = True
+                self.calls.append(len(b))
+                return io.BytesIO.write(self, bytes(b)[: len(b) - 7])
+            return super().write(b)
 
     big = torch.randint(0, 255, (5 << 20,), dtype=torch.uint8).numpy()
-    for raw in (io.BytesIO(), Short()):
-        got = {}
+    for raw in (Recording(), Short()):
+        got, returned = {}, []
         stream = _HashingStream(raw, lambda size, digest, got=got: got.update(size=size, digest=digest))
         for chunk in (b"header", big[: 2 << 20], b"x" * 100, big):
-            stream.write(chunk)
+            returned.append(stream.write(chunk))
         stream.close()
         data = raw.getvalue()
         assert got == {"size": len(data), "digest": xxhash.xxh3_64(data).hexdigest()}
-        assert len(data) == 6 + (2 << 20) + 100 + (5 << 20) - (7 if isinstance(raw, Short) else 0)
+        last = ((piece or len(big)) - 7) if isinstance(raw, Short) else len(big)  # what the file took of `big`
+        assert returned == [6, 2 << 20, 100, last]
+        assert len(data) == 6 + (2 << 20) + 100 + last
+        assert max(raw.calls) == (piece or 5 << 20)
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here (macOS): no write-back advice")

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fsdpkit.checkpoint.page_cache import SequentialReader, write_in_pieces
 from fsdpkit.checkpoint.writeback import WriteBack
 
 HASH_NAME = "xxh3_64"
@@ -81,8 +82,9 @@ class _HashingStream(io.RawIOBase):
     `write` returns only when both are done: the caller (torch.save) may free or reuse the buffer
     as soon as it returns, so the hash never reads it later.
 
-    Where `raw` has a descriptor, the write-back of every WRITEBACK_BYTES written is started as
-    the writing goes on (a new file, written from its start: the offsets are the byte counts)."""
+    Bytes reach `raw` in pieces of page_cache.WRITE_PIECE_BYTES at most. Where `raw` has a
+    descriptor, the write-back of every WRITEBACK_BYTES written is started as the writing goes on
+    (a new file, written from its start: the offsets are the byte counts)."""
 
     OVERLAP_BYTES = 1 << 20
 
@@ -97,17 +99,15 @@ class _HashingStream(io.RawIOBase):
     def write(self, b) -> int:
         data = memoryview(b).cast("B")  # count and hash bytes, whatever the buffer's item format
         if len(data) < self.OVERLAP_BYTES:
-            n = self._raw.write(data)
-            n = len(data) if n is None else n
+            n = write_in_pieces(self._raw.write, data)
             self._hash.update(data[:n])
         else:
             before = self._hash.copy()
             hashed = _hash_pool().submit(self._hash.update, data)
             try:
-                n = self._raw.write(data)
+                n = write_in_pieces(self._raw.write, data)
             finally:
                 hashed.result()
-            n = len(data) if n is None else n
             if n != len(data):  # a short write: hash what reached the file, not what was offered
                 before.update(data[:n])
                 self._hash = before
@@ -233,7 +233,7 @@ def file_checksum(path: Path) -> tuple[int, str]:
     """(size, xxh3-64 hex digest) of a file on disk."""
     h, size = xxhash.xxh3_64(), 0
     # One buffer, read into again and again: a mapping of its own (see verified_read._Buffer).
-    with path.open("rb", buffering=0) as f, mmap.mmap(-1, READ_CHUNK_BYTES) as buf:
+    with SequentialReader(path) as f, mmap.mmap(-1, READ_CHUNK_BYTES) as buf:
         view = memoryview(buf)
         try:
             while n := f.readinto(view):

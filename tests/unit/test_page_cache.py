@@ -1,0 +1,93 @@
+"""Checkpoint files through the page cache in pieces: reads with a restarted descriptor, writes in pieces."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fsdpkit.checkpoint import page_cache
+from fsdpkit.checkpoint.page_cache import SequentialReader, write_in_pieces
+
+
+def _read_all(reader: SequentialReader, size: int, step: int) -> bytes:
+    buf, out = bytearray(step), bytearray()
+    while n := reader.readinto(buf):
+        out += buf[:n]
+    assert len(out) == size
+    return bytes(out)
+
+
+def _spy_reopens(monkeypatch) -> list[str]:
+    opened: list[str] = []
+    real_open = os.open
+
+    def spy(path, *args, **kwargs):
+        opened.append(str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", spy)
+    return opened
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="no /proc here: one descriptor reads it all")
+def test_a_file_read_to_its_end_gets_a_new_descriptor_every_restart_bytes_even_once_its_path_is_replaced(tmp_path, monkeypatch):
+    monkeypatch.setattr(page_cache, "READ_RESTART_BYTES", 3 * 4096)
+    data = os.urandom(10 * 4096 + 123)
+    path = tmp_path / "f.distcp"
+    path.write_bytes(data)
+    opened = _spy_reopens(monkeypatch)
+    with SequentialReader(path) as reader:
+        first = bytearray(5000)
+        assert reader.readinto(first) == 5000
+        other = tmp_path / "other"
+        other.write_bytes(b"x" * len(data))
+        other.replace(path)  # the path now names another file: the reader keeps reading the first
+        rest = _read_all(reader, len(data) - 5000, 7000)
+    assert bytes(first) + rest == data
+    reopens = [p for p in opened if p.startswith("/proc/self/fd/")]
+    assert len(reopens) == len(data) // (3 * 4096)  # a new descriptor at 12 KiB, 24 KiB, 36 KiB
+
+
+def test_without_proc_one_descriptor_reads_the_whole_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(page_cache, "READ_RESTART_BYTES", 4096)
+    data = os.urandom(5 * 4096)
+    path = tmp_path / "f.distcp"
+    path.write_bytes(data)
+    real_open = os.open
+
+    def no_proc(p, *args, **kwargs):
+        if str(p).startswith("/proc/"):
+            raise FileNotFoundError(p)
+        return real_open(p, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", no_proc)
+    with SequentialReader(path) as reader:
+        assert _read_all(reader, len(data), 3000) == data
+        assert reader._restart == 0  # gave up reopening after the first try
+
+
+def test_restart_off_reads_through_one_descriptor(tmp_path, monkeypatch):
+    monkeypatch.setattr(page_cache, "READ_RESTART_BYTES", 0)
+    data = os.urandom(3 * 4096 + 1)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    opened = _spy_reopens(monkeypatch)
+    with SequentialReader(path) as reader:
+        assert _read_all(reader, len(data), 4096) == data
+    assert opened == [str(path)]
+
+
+def test_writes_go_out_in_pieces_and_stop_at_a_short_one(monkeypatch):
+    monkeypatch.setattr(page_cache, "WRITE_PIECE_BYTES", 4)
+    calls: list[bytes] = []
+    assert write_in_pieces(lambda b: calls.append(bytes(b)), memoryview(b"abcdefghij")) == 10  # None: all taken
+    assert calls == [b"abcd", b"efgh", b"ij"]
+    calls.clear()
+    assert write_in_pieces(lambda b: calls.append(bytes(b)) or (2 if len(calls) == 2 else len(b)),
+                           memoryview(b"abcdefghij")) == 6
+    assert calls == [b"abcd", b"efgh"]
+    monkeypatch.setattr(page_cache, "WRITE_PIECE_BYTES", 0)
+    calls.clear()
+    assert write_in_pieces(lambda b: calls.append(bytes(b)), memoryview(b"abcdefghij")) == 10
+    assert calls == [b"abcdefghij"]
