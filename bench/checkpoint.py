@@ -8,11 +8,12 @@ bench/results/checkpoint.json. Checkpoints go to a temporary directory on the re
 
 Ceilings (this process, torch on one thread, as each rank runs; every one a median of --ceiling-reps):
 - disk write: N new files (N = 1, 2 and every --scale-ranks count) of --ceiling-gib / N each,
-  written at once by N threads in 16 MiB os.write chunks, each fsynced (a new set of files per
+  written at once by N threads in 256 KiB os.write calls, each fsynced (a new set of files per
   repetition, the previous set deleted first, as between checkpoint runs): the yardstick of N
   ranks saving at once is the N-stream figure, never the 1-stream one;
 - cold-ish read: the same N files read at once after evicting their pages with
-  posix_fadvise(POSIX_FADV_DONTNEED) (no root needed; on a VM the host may still cache the disk);
+  posix_fadvise(POSIX_FADV_DONTNEED) (no root needed; on a VM the host may still cache the disk),
+  a new descriptor every 16 MiB;
   also O_DIRECT reads and a warm (page-cache) re-read of one file for reference;
 - memcpy: `dst.copy_(src)` between two existing 512 MiB tensors, and into a fresh allocation
   (`torch.empty` + `copy_`, page faults included); also two copies at once (two threads), as both
@@ -29,7 +30,7 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
   fsdpkit `save_checkpoint` (meta built as Checkpointer._meta builds it), plain `dcp.save`
   (FileSystemWriter, sync_files=True) and rank-0 `torch.save` of the full state dict gathered by
   `get_state_dict(full_state_dict=True, cpu_offload=True)` + fsync, and, in the same rotation, the
-  disk's ceiling at that moment: every rank writes its own state bytes to a new file in 16 MiB
+  disk's ceiling at that moment: every rank writes its own state bytes to a new file in 256 KiB
   os.write calls and fsyncs it (the B1 "x disk" target uses it; the ceilings measured before the
   benchmarks are reported beside it). Durable GB/s = bytes of model and optimizer state over all
   ranks / that time.
@@ -112,8 +113,11 @@ FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps
 
 # -- ceilings --------------------------------------------------------------------------------
 def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0) -> tuple[float, float]:
-    """(seconds for write + fsync, of which fsync); with `writeback`, the write-back of every
+    """(seconds for write + fsync, of which fsync), `block` after `block` in 256 KiB write calls
+    (fsdpkit.checkpoint.page_cache: on a VM that returns free memory to its host, 16 MiB calls
+    were up to 3x slower); with `writeback`, the write-back of every
     `writeback` bytes is started as the writing goes on, as fsdpkit's checkpoint writer does."""
+    from fsdpkit.checkpoint.page_cache import write_in_pieces
     from fsdpkit.checkpoint.writeback import WriteBack
 
     t0 = time.perf_counter()
@@ -121,7 +125,9 @@ def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0) ->
     try:
         wb = WriteBack(fd, writeback)
         for i in range(nbytes // len(block)):
-            os.write(fd, block)
+            view = memoryview(block)
+            while view:  # in page_cache.WRITE_PIECE_BYTES calls, as fsdpkit's writer writes
+                view = view[write_in_pieces(lambda v: os.write(fd, v), view):]
             wb.written_to((i + 1) * len(block))
         t1 = time.perf_counter()
         os.fsync(fd)
@@ -132,19 +138,32 @@ def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0) ->
 
 
 def _read_file(path: Path, *, drop: bool, direct: bool = False) -> float:
-    """Seconds to read `path` in CHUNK reads (after evicting it from the page cache if `drop`)."""
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    fd = os.open(path, flags)
+    """Seconds to read `path` in CHUNK reads (after evicting it from the page cache if `drop`):
+    with O_DIRECT, or through the page cache with a new descriptor every 16 MiB, as fsdpkit's
+    loads read (fsdpkit.checkpoint.page_cache: on a VM that returns free memory to its host, one
+    descriptor's growing readahead was up to 2.5x slower)."""
+    from fsdpkit.checkpoint.page_cache import SequentialReader
+
+    if drop:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
     buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
     try:
-        if drop:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         t0 = time.perf_counter()
-        while os.readv(fd, [buf]) > 0:
-            pass
+        if direct:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                while os.readv(fd, [buf]) > 0:
+                    pass
+            finally:
+                os.close(fd)
+        else:
+            with SequentialReader(path) as reader:
+                while reader.readinto(buf) > 0:
+                    pass
         return time.perf_counter() - t0
     finally:
-        os.close(fd)
         buf.close()
 
 
@@ -239,10 +258,14 @@ def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: lis
                 for _ in range(reps)]
     del src, dst, pair_src, pair_dst
     gbps = lambda b, ts: b / statistics.median(ts) / 1e9  # noqa: E731
+    from fsdpkit.checkpoint.page_cache import READ_RESTART_BYTES, WRITE_PIECE_BYTES
+
     return {
         "reps": reps,
         "write_fsync": writes,
+        "write_piece_bytes": WRITE_PIECE_BYTES,
         "read_cold": reads,
+        "read_restart_bytes": READ_RESTART_BYTES,
         "memcpy_bytes": n * 4,
         "memcpy_gbps": gbps(n * 4, copies),
         "memcpy_fresh_alloc_gbps": gbps(n * 4, fresh),

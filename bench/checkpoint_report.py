@@ -360,17 +360,27 @@ def _ways(w: dict[str, Any]) -> str:
             f"{w['writeback_bytes'] >> 20} MiB {ways['writeback']:.2f})")
 
 
+def _pieces(c: dict[str, Any]) -> str:
+    """How the write ceiling wrote (results before page_cache: 16 MiB calls)."""
+    piece = c.get("write_piece_bytes")
+    return f"16 MiB blocks in {piece >> 10} KiB os.write calls" if piece else "16 MiB os.write calls"
+
+
+def _restarted(c: dict[str, Any]) -> str:
+    return ", a new descriptor every 16 MiB" if c.get("read_restart_bytes") else ""
+
+
 def _ceiling_rows(c: dict[str, Any]) -> list[str]:
     reps = c["reps"]
     rows = [f"| disk write + fsync, {n} stream(s) at once | **{w['gbps']:.2f} GB/s** | {_range(w['runs_gbps'])} | "
-            f"{n} new file(s) of {w['bytes'] / int(n) / 2**30:.2g} GiB, one thread each, 16 MiB os.write chunks, then fsync"
+            f"{n} new file(s) of {w['bytes'] / int(n) / 2**30:.2g} GiB, one thread each, {_pieces(c)}, then fsync"
             f"{_ways(w)}; the ceiling of {n} rank(s) saving |"
             for n, w in sorted(c["write_fsync"].items(), key=lambda x: int(x[0]))]
     for k, r in c["read_cold"].items():
         if r is None:
             continue
         how = ("O_DIRECT, 16 MiB aligned reads" if k.startswith("o_direct") else "page cache (warm)" if k.startswith("warm")
-               else "posix_fadvise(DONTNEED), then 16 MiB reads (a VM host may still cache)")
+               else f"posix_fadvise(DONTNEED), then 16 MiB reads{_restarted(c)} (a VM host may still cache)")
         kind = "O_DIRECT" if k.startswith("o_direct") else "warm" if k.startswith("warm") else "cold-ish"
         rows.append(f"| read, {r['streams']} stream(s) at once, {kind} | "
                     f"{r['gbps']:.2f} GB/s | {_range(r['runs_gbps'])} | {how} |")

@@ -44,6 +44,7 @@ from fsdpkit import dist
 from fsdpkit.checkpoint.async_save import AsyncSaver
 from fsdpkit.checkpoint.hashing import WRITEBACK_BYTES
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary
+from fsdpkit.checkpoint.page_cache import write_in_pieces
 from fsdpkit.checkpoint.resume import load_checkpoint
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
@@ -323,7 +324,8 @@ RAW_CHUNK = 16 << 20
 
 def write_raw(b: Bench, root: Path, *, writeback: int = 0) -> None:
     """The disk's ceiling for this save, taken beside it: every rank writes its own state bytes
-    (the same bytes a save writes) to a new file in 16 MiB os.write calls, then fsyncs it; with
+    (the same bytes a save writes) to a new file in os.write calls of page_cache.WRITE_PIECE_BYTES
+    (256 KiB), as fsdpkit's writer writes, then fsyncs it; with
     `writeback`, starting the write-back of every `writeback` bytes as it goes, as fsdpkit's
     checkpoint writer does (hashing.WRITEBACK_BYTES)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -334,7 +336,7 @@ def write_raw(b: Bench, root: Path, *, writeback: int = 0) -> None:
             raw = memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
             done = 0
             while done < len(raw):  # os.write may write less than asked: count what it wrote
-                n = os.write(fd, raw[done : done + RAW_CHUNK])
+                n = write_in_pieces(lambda v: os.write(fd, v), raw[done : done + RAW_CHUNK])
                 done, written = done + n, written + n
                 wb.written_to(written)
         os.fsync(fd)
@@ -544,7 +546,8 @@ RAW_READ = "raw read of each rank's share of the bytes (ceiling)"
 
 def read_raw(b: Bench, path: Path) -> None:
     """The disk's read ceiling for this load, taken beside it: rank r of N reads the r-th Nth of
-    the checkpoint's data files (their bytes one after another) in 16 MiB preads into one buffer."""
+    the checkpoint's data files (their bytes one after another) in 16 MiB preads into one buffer,
+    each through a new descriptor, as fsdpkit's loads restart the readahead (page_cache)."""
     files = sorted(path.glob("*.distcp"))
     sizes = [f.stat().st_size for f in files]
     total, n = sum(sizes), tdist.get_world_size(b.sync_group)
@@ -557,12 +560,12 @@ def read_raw(b: Bench, path: Path) -> None:
     with mmap.mmap(-1, RAW_CHUNK) as buf:
         view = memoryview(buf)
         for f, pos, end in spans:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                while pos < end:  # preadv may return less than asked: count what it read
+            while pos < end:  # preadv may return less than asked: count what it read
+                fd = os.open(f, os.O_RDONLY)
+                try:
                     pos += os.preadv(fd, [view[: min(RAW_CHUNK, end - pos)]], pos)
-            finally:
-                os.close(fd)
+                finally:
+                    os.close(fd)
         view.release()
 
 
