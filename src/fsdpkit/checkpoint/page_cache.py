@@ -43,11 +43,25 @@ def write_in_pieces(write: Callable[[memoryview], int | None], data: memoryview)
     return done
 
 
+def reopen(fd: int) -> int | None:
+    """A new read-only descriptor on the file `fd` is open on (a readahead of its own), through
+    /proc/self/fd: the same inode even if its path was replaced meanwhile. None without /proc
+    (macOS) or should it name another file."""
+    try:
+        new = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    except OSError:
+        return None
+    a, b = os.fstat(fd), os.fstat(new)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        os.close(new)
+        return None
+    return new
+
+
 class SequentialReader:
     """A local file read from its start to its end (`readinto`), through a descriptor replaced
-    every READ_RESTART_BYTES by a new one on the same file (/proc/self/fd: the same inode even if
-    the path was replaced meanwhile). Where that reopening is not possible (no /proc), one
-    descriptor reads it all."""
+    every READ_RESTART_BYTES by a new one on the same file (`reopen`). Where that is not possible
+    (no /proc), one descriptor reads it all."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self._fd = os.open(path, os.O_RDONLY)
@@ -68,14 +82,8 @@ class SequentialReader:
         return n
 
     def _reopen(self) -> None:
-        try:
-            fd = os.open(f"/proc/self/fd/{self._fd}", os.O_RDONLY)
-        except OSError:  # no /proc (macOS): one descriptor from here on
-            self._restart = 0
-            return
-        old, new = os.fstat(self._fd), os.fstat(fd)
-        if (old.st_dev, old.st_ino) != (new.st_dev, new.st_ino):  # not the same file: keep the one we have
-            os.close(fd)
+        fd = reopen(self._fd)
+        if fd is None:  # one descriptor from here on
             self._restart = 0
             return
         os.close(self._fd)
