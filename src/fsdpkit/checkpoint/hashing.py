@@ -230,10 +230,12 @@ def zip_crc32_off() -> Iterator[None]:
 
 
 def file_checksum(path: Path) -> tuple[int, str]:
-    """(size, xxh3-64 hex digest) of a file on disk."""
+    """(size, xxh3-64 hex digest) of a file: a local one (Path) read with SequentialReader, any
+    other (an object-store path) through its own `open`."""
     h, size = xxhash.xxh3_64(), 0
     # One buffer, read into again and again: a mapping of its own (see verified_read._Buffer).
-    with SequentialReader(path) as f, mmap.mmap(-1, READ_CHUNK_BYTES) as buf:
+    source = SequentialReader(path) if isinstance(path, Path) else path.open("rb")
+    with source as f, mmap.mmap(-1, READ_CHUNK_BYTES) as buf:
         view = memoryview(buf)
         try:
             while n := f.readinto(view):
