@@ -6,7 +6,8 @@
    sequential read (the file's pages evicted first with posix_fadvise(DONTNEED)), and a copy: the
    same bytes read cold and written with fsync, which is what an export on one disk does. Before
    the runs, one stream each (a reader thread feeding the writer, and one thread reading then
-   writing each 16 MiB, as dd), through the page cache and with O_DIRECT; and in the rotation with
+   writing each 16 MiB, as dd), through the page cache (in fsdpkit's pieces: a new descriptor per
+   16 MiB read, 256 KiB write calls; fsdpkit.checkpoint.page_cache) and with O_DIRECT; and in the rotation with
    the runs (drift hits both alike), the checkpoint's own files read, written and copied with the
    export's own parallelism (READ_AHEAD read threads, WRITE_THREADS write threads, O_DIRECT). Each
    ceiling is the fastest of these. Where reads and writes share the disk's budget, a copy moves
