@@ -10,8 +10,9 @@ calls (2.1-2.9 s of kernel CPU) and 0.59-0.65 s in 256 KiB calls (0.3 s); readin
 evicting them, 1.0-1.6 s in 16 MiB reads through one descriptor (1.1-2.0 s of kernel CPU) and
 0.50-0.67 s through a descriptor opened anew every 16 MiB (0.2 s), which starts the readahead
 afresh (DCP's own reader, seeking between the parts of each item, does so by accident). Medians
-of 4-6, each after 3 idle seconds. On bare metal both cost next to nothing: a few thousand more
-system calls per GiB, and one readahead restart per 16 MiB.
+of 4-6, each after 3 idle seconds. Where memory stays with the guest both should cost little, a
+few thousand more system calls per GiB and one readahead restart per 16 MiB (not measured here:
+no such machine was available).
 """
 
 from __future__ import annotations
