@@ -56,7 +56,13 @@ import threading
 import time
 from pathlib import Path
 
-from fsdpkit.checkpoint.page_cache import WRITE_PIECE_BYTES, SequentialReader, reopen
+from fsdpkit.checkpoint.page_cache import (
+    WRITE_PIECE_BYTES,
+    SequentialReader,
+    reopen,
+    write_in_pieces,
+)
+from fsdpkit.export.direct_io import pwrite_all
 from fsdpkit.export.tunables import READ_AHEAD, WRITE_THREADS
 
 RESULTS = Path(__file__).parent / "results" / "export.json"
@@ -151,7 +157,7 @@ def _write_out(fd: int, buf, n: int, *, direct: bool) -> None:
     fsdpkit writes there (fsdpkit.checkpoint.page_cache), with O_DIRECT in one call."""
     view = memoryview(buf)[:n]
     while view:
-        view = view[os.write(fd, view if direct else view[:WRITE_PIECE_BYTES]):]
+        view = view[os.write(fd, view) if direct else write_in_pieces(lambda v: os.write(fd, v), view):]
 
 
 def _open(path: Path, flags: int, direct: bool) -> int:
@@ -304,9 +310,7 @@ def parallel_seconds(sources: list[Path], dst: Path | None, *, nbytes: int, read
                     return
                 buf, n, offset = free.get(), block, job[2]
             view = memoryview(buf)[: -(-n // 4096) * 4096]  # O_DIRECT writes whole 4 KiB blocks
-            while view:
-                k = os.pwrite(out, view if direct else view[:WRITE_PIECE_BYTES], offset)
-                view, offset = view[k:], offset + k
+            pwrite_all(out, view, offset, piece=0 if direct else WRITE_PIECE_BYTES)
             free.put(buf)
 
     t0 = time.perf_counter()

@@ -11,7 +11,7 @@ staging buffer, and the last partial block of a file is written through an ordin
 Where O_DIRECT is missing (macOS, tmpfs, some network file systems) or refused at the first read or
 write, the same calls fall back to ordinary I/O, in the pieces fsdpkit.checkpoint.page_cache
 describes (reads through a descriptor of their own, writes in 256 KiB calls: 2 GiB exported in
-2.5-3.1 s instead of 3.5-5.4 s). FSDPKIT_EXPORT_DIRECT_IO=0 turns O_DIRECT off.
+2.3-3.5 s instead of 3.5-5.4 s on the benchmark VM). FSDPKIT_EXPORT_DIRECT_IO=0 turns O_DIRECT off.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from fsdpkit.checkpoint.page_cache import WRITE_PIECE_BYTES, reopen
+from fsdpkit.checkpoint import page_cache
+from fsdpkit.checkpoint.page_cache import reopen
 from fsdpkit.checkpoint.writeback import WriteBack
 from fsdpkit.export.tunables import WRITE_THREADS
 
@@ -177,13 +178,13 @@ class DirectWriter:
         try:
             if not self._refused:
                 try:
-                    _write_all(self._direct, view, offset)
+                    pwrite_all(self._direct, view, offset)
                     return
                 except OSError as exc:
                     if not _refused(exc):
                         raise
                     self._refused = True  # this file system takes no O_DIRECT writes: the same bytes, ordinarily
-            _write_all(self._fd, view, offset, piece=WRITE_PIECE_BYTES)
+            pwrite_all(self._fd, view, offset, piece=page_cache.WRITE_PIECE_BYTES)
         finally:
             self._free.put(buffer)
 
@@ -194,7 +195,7 @@ class DirectWriter:
         return self._free.get()
 
     def _write_ordinary(self, view) -> None:
-        _write_all(self._fd, view, self._position, piece=WRITE_PIECE_BYTES)
+        pwrite_all(self._fd, view, self._position, piece=page_cache.WRITE_PIECE_BYTES)
         self._position += len(view)
         self._writeback.written_to(self._position)  # the final fsync then has little left to do
 
@@ -227,7 +228,7 @@ class DirectWriter:
         self._pending.clear()
 
 
-def _write_all(fd: int, view, offset: int, *, piece: int = 0) -> None:
+def pwrite_all(fd: int, view, offset: int, *, piece: int = 0) -> None:
     """All of `view` at `offset`, in pwrite calls of `piece` bytes at most (0: as few as the OS takes)."""
     view = memoryview(view).cast("B")
     while view:
