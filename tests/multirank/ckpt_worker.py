@@ -10,7 +10,9 @@ Across meshes (sharding strategies): HSDP 2x2 saved on 4 ranks resumes under NO_
 whose own checkpoint resumes under FULL_SHARD on 3 (ws3), as does the HSDP one; FULL_SHARD on 4
 resumes under HSDP 2x2 (ws4).
 Every elastic load compares the restored full state with what was saved, bit for bit, and the
-losses that follow with the uninterrupted run.
+losses that follow with the uninterrupted run. The tests run it with FSDPKIT_DIRECT_READ_BYTES=0,
+so that the loads read tensors straight into the parameters and optimizer state as large ones are;
+each phase reports how many items each rank read so.
 """
 
 from __future__ import annotations
@@ -137,6 +139,28 @@ def elastic_load(work: Path, source: str, tag: str, overrides: tuple[str, ...] |
                    dump_final_to=work / "dumps" / f"saved_{tag}.pt" if stop_at else None)
 
 
+class DirectReads:
+    """Counts the items this rank read straight into their targets (run with
+    FSDPKIT_DIRECT_READ_BYTES=0, the tests' tensors being small) and those it meant to but read
+    through the buffer instead."""
+
+    def __init__(self) -> None:
+        self.counts = {"direct": 0, "buffered": 0}
+        real = VerifyingFileSystemReader._read_into_target
+
+        def spy(*args, **kwargs):
+            got = real(*args, **kwargs)
+            self.counts["direct" if isinstance(got, torch.Tensor) else "buffered"] += 1
+            return got
+
+        VerifyingFileSystemReader._read_into_target = staticmethod(spy)
+
+    def gathered(self) -> list[dict[str, int]]:
+        everyone: list = [None] * tdist.get_world_size()
+        tdist.all_gather_object(everyone, self.counts)
+        return everyone
+
+
 @contextlib.contextmanager
 def files_read_whole():
     """The data files each rank streamed whole while loading (VerifyingFileSystemReader), gathered
@@ -179,6 +203,7 @@ def main() -> None:
     enable_determinism()
     dist.init_process_group(backend="gloo")
     GROUPS = CheckpointGroups.create(compose_config(BASE + ["checkpoint.timeout_s=120"]).checkpoint)
+    direct = DirectReads()
     if phase == "ws2":
         res = phase_ws2(work)
     elif phase == "ws4":
@@ -199,6 +224,7 @@ def main() -> None:
     else:
         raise SystemExit(f"unknown phase {phase}")
     res |= phase_meshes(phase, work)
+    res[f"{phase}_direct_reads"] = direct.gathered()
     if dist.is_main():
         out_path.write_text(json.dumps(res))
     dist.shutdown()

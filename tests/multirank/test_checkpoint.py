@@ -24,7 +24,7 @@ def ckpt(tmp_path_factory):
     work = out / "work"
     results: dict = {}
     for phase, nproc in (("ws2", 2), ("ws4", 4), ("ws2b", 2), ("ws3", 3)):
-        torchrun(nproc, WORKER, phase, str(out / f"{phase}.json"), str(work))
+        torchrun(nproc, WORKER, phase, str(out / f"{phase}.json"), str(work), env={"FSDPKIT_DIRECT_READ_BYTES": "0"})
         results.update(json.loads((out / f"{phase}.json").read_text()))
     return results, work
 
@@ -157,3 +157,12 @@ def test_changed_activation_checkpointing_and_compile_load_with_notes(ckpt):
     assert "compiled changed: checkpoint False, now True" in notes
     reference = by_step(res["fp32_full"])
     assert max(abs(v - reference[s]) / reference[s] for s, v in by_step(run).items()) < FP32_RTOL
+
+
+@pytest.mark.parametrize("phase", ["ws2", "ws4", "ws2b", "ws3"])
+def test_loads_read_tensors_straight_into_their_targets(ckpt, phase):
+    """The resumes above (all bit-identical) read each tensor whose bytes reach past the first
+    4 KiB of its item straight into the parameter or optimizer state, on every rank."""
+    res, _ = ckpt
+    counts = res[f"{phase}_direct_reads"]
+    assert all(c["direct"] > 0 for c in counts), counts

@@ -1,9 +1,12 @@
 """VerifyingFileSystemReader's partial reads (a load at another world size): the rows a target
 needs are read from the file on their own, other slices go to DCP, and a short file is named;
-the read buffer is a mapping of its own, and file checksums span several reads."""
+the read buffer is a mapping of its own, and file checksums span several reads. Whole reads:
+large tensors go straight into host targets, checked against the zip directory."""
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import mmap
 import os
 import threading
@@ -19,6 +22,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.hashing import READ_CHUNK_BYTES, file_checksum
 from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
+from fsdpkit.checkpoint.torch_save import MemoryReader, SplitBlob, locate_tensor, predict_tensor
 from fsdpkit.checkpoint.verified_read import (
     VerifyingFileSystemReader,
     _Buffer,
@@ -93,23 +97,25 @@ def test_row_slices_are_read_on_their_own_other_slices_go_to_dcp(saved, monkeypa
 
 @pytest.mark.parametrize("hash_files", [False, True])
 def test_a_file_whose_every_item_is_touched_but_only_in_part(saved, monkeypatch, hash_files):
-    """At another world size a rank may need some rows of every item of a file: without hashing
-    it reads just those rows (not the whole file); with hashing the plan (as DCP makes it, through
-    the coordinator) has it read the file whole, once, and hash it."""
+    """At another world size a rank may need some rows of every item of a file, less than half
+    of it: without hashing it reads just those rows (not the whole file); with hashing the plan
+    (as DCP makes it, through the coordinator) has it read the file whole, once, and hash it."""
     path, state = saved
     whole: list[str] = []
     real = VerifyingFileSystemReader._load_whole
     monkeypatch.setattr(VerifyingFileSystemReader, "_load_whole",
                         lambda self, name, *a: (whole.append(name), real(self, name, *a))[1])
-    targets = {"w": torch.empty(4, 6), "v": torch.empty(7), "s": torch.empty(()), "h": torch.empty(2, 3, dtype=torch.bfloat16)}
-    items = [_item("w", (3, 0), (4, 6)), _item("v", (0,), (7,)), _item("s", (), ()), _item("h", (1, 0), (2, 3))]
+    targets = {"w": torch.empty(2, 6), "v": torch.empty(2), "s": torch.empty(()), "h": torch.empty(1, 3, dtype=torch.bfloat16)}
+    items = [_item("w", (3, 0), (2, 6)), _item("v", (0,), (2,)), _item("s", (), ()), _item("h", (1, 0), (1, 3))]
     reader = _reader(path, hash_files=hash_files)
+    size = reader.sizes[reader.storage_data[MetadataIndex("w", torch.Size([0, 0]))].relative_path]
+    assert 2 * sum(reader._needed_bytes(item) for item in items) < size  # the case: less than half of the file
     planner = _Planner(targets)
     plan = reader.prepare_global_plan([reader.prepare_local_plan(LoadPlan(items))])[0]
     assert plan.storage_data["wait"] is False  # one rank: nobody to wait for
     reader.read_data(plan, planner).wait()
-    assert torch.equal(targets["w"], state["w"][3:7]) and torch.equal(targets["v"], state["v"])
-    assert torch.equal(targets["s"], state["s"]) and torch.equal(targets["h"], state["h"][1:3])
+    assert torch.equal(targets["w"], state["w"][3:5]) and torch.equal(targets["v"], state["v"][:2])
+    assert torch.equal(targets["s"], state["s"]) and torch.equal(targets["h"], state["h"][1:2])
     assert sorted(planner.committed) == ["h", "s", "v", "w"]
     name = reader.storage_data[MetadataIndex("w", torch.Size([0, 0]))].relative_path
     assert whole == ([name] if hash_files else [])
@@ -157,9 +163,12 @@ def test_ranks_of_a_host_that_need_parts_of_a_file_share_it_one_reads_it_whole(t
     # 2 -> 3 ranks on one host: the ranks needing two thirds read the files whole, the middle one waits
     ([{"host": "a", "partial": {"f0": 60}}, {"host": "a", "partial": {"f0": 30, "f1": 30}},
       {"host": "a", "partial": {"f1": 60}}], False, [{"f0"}, set(), {"f1"}], True),
-    # ... on three hosts: no page cache shared, each reads its parts (or, hashing, each file whole)
+    # ... on three hosts: no page cache shared; a rank needing at least half a file reads it whole,
+    # the middle one its parts (or, hashing, each file whole)
     ([{"host": "a", "partial": {"f0": 60}}, {"host": "b", "partial": {"f0": 30, "f1": 30}},
-      {"host": "c", "partial": {"f1": 60}}], False, [set(), set(), set()], False),
+      {"host": "c", "partial": {"f1": 60}}], False, [{"f0"}, set(), {"f1"}], False),
+    # 2 -> 1: the second file also holds the other rank's RNG state; read whole all the same
+    ([{"host": "a", "partial": {"f1": 89}}], False, [{"f1"}], False),
     ([{"host": "a", "partial": {"f0": 60}}, {"host": "b", "partial": {"f0": 30, "f1": 30}},
       {"host": "c", "partial": {"f1": 60}}], True, [{"f0"}, {"f0", "f1"}, {"f1"}], False),
     # 2 -> 4 on one host: equal needs, the lower rank reads; the next file goes to a rank with less to read
@@ -239,3 +248,91 @@ def test_file_checksum_over_several_read_chunks(tmp_path):
     assert file_checksum(path) == (len(data), xxhash.xxh3_64_hexdigest(data))
     (tmp_path / "empty").write_bytes(b"")
     assert file_checksum(tmp_path / "empty") == (0, xxhash.xxh3_64_hexdigest(b""))
+
+
+@pytest.fixture
+def large(tmp_path):
+    """Tensors above DIRECT_MIN_BYTES (read straight into their targets) beside small ones."""
+    gen = torch.Generator().manual_seed(2)
+    state = {"big": torch.randn(512, 1024, generator=gen), "half": torch.randn(1024, 600, generator=gen).to(torch.bfloat16),
+             "small": torch.randn(8, 8, generator=gen), "s": torch.tensor(1.5)}
+    dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
+    return tmp_path, state
+
+
+def _load_all(path, state, monkeypatch, targets=None):
+    """Load every item of `state` whole through the reader; (targets, keys copied from the buffer)."""
+    copied: list[str] = []
+    real = VerifyingFileSystemReader._consume
+    monkeypatch.setattr(VerifyingFileSystemReader, "_consume",
+                        lambda self, req, *a: (copied.append(req.dest_index.fqn), real(self, req, *a))[1])
+    targets = targets or {k: torch.empty_like(v) for k, v in state.items()}
+    items = [_item(k, (0,) * v.dim(), tuple(v.shape)) for k, v in state.items()]
+    reader = _reader(path)
+    reader.read_data(LoadPlan(items), _Planner(targets)).wait()
+    return reader, targets, copied
+
+
+def test_large_tensors_are_read_straight_into_their_targets_and_hashed(large, monkeypatch):
+    path, state = large
+    reader, targets, copied = _load_all(path, state, monkeypatch)
+    for key, value in state.items():
+        assert torch.equal(targets[key], value), key
+    assert sorted(copied) == ["s", "small"]  # the large ones never went through the read buffer
+    (name,) = [p.name for p in path.glob("*.distcp")]
+    data = (path / name).read_bytes()
+    assert reader.digests == {name: (len(data), xxhash.xxh3_64(data).hexdigest())}
+
+
+def test_a_target_of_another_dtype_is_copied_from_the_buffer(large, monkeypatch):
+    path, state = large
+    targets = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in state.items()}
+    _, targets, copied = _load_all(path, state, monkeypatch, targets)
+    assert torch.equal(targets["half"], state["half"].float()) and torch.equal(targets["big"], state["big"])
+    assert sorted(copied) == ["half", "s", "small"]
+
+
+def test_a_wrong_prediction_is_caught_by_the_zip_directory_and_read_again(large, monkeypatch):
+    """predict_tensor reads local headers only; were it wrong (here: made to point 64 bytes too
+    far), the directory at the item's end disagrees and the item is read again and copied."""
+    import fsdpkit.checkpoint.verified_read as vr
+
+    real = vr.predict_tensor
+    monkeypatch.setattr(vr, "predict_tensor",
+                        lambda head, **kw: dataclasses.replace(p, data_start=p.data_start + 64) if (p := real(head, **kw)) else p)
+    path, state = large
+    reader, targets, copied = _load_all(path, state, monkeypatch)
+    for key, value in state.items():
+        assert torch.equal(targets[key], value), key
+    assert sorted(copied) == ["big", "half", "s", "small"]
+    (name,) = [p.name for p in path.glob("*.distcp")]
+    data = (path / name).read_bytes()
+    assert reader.digests[name] == (len(data), xxhash.xxh3_64(data).hexdigest())  # hashed once, in order
+
+
+def test_a_file_cut_inside_a_large_tensor_is_named(large, monkeypatch):
+    path, state = large
+    reader = _reader(path)
+    info = reader.storage_data[MetadataIndex("big", torch.Size([0, 0]))]
+    data_file = path / info.relative_path
+    with open(data_file, "r+b") as f:
+        f.truncate(info.offset + info.length // 2)
+    with pytest.raises(CheckpointCorruptError, match="truncated") as caught:
+        _load_all(path, state, monkeypatch)
+    assert str(data_file) in str(caught.value)
+
+
+@pytest.mark.parametrize("tensor", [torch.randn(300, 7), torch.randn(10, 20).to(torch.bfloat16), torch.tensor(3.5),
+                                    torch.arange(12).reshape(3, 4)[1:], torch.randn(4, 6).t()])
+def test_predict_tensor_from_the_head_matches_the_zip_directory(tensor):
+    buf = io.BytesIO()
+    torch.save(tensor, buf)
+    blob = memoryview(buf.getvalue())
+    found = locate_tensor(MemoryReader(blob), source="t")
+    assert predict_tensor(blob[:4096], source="t") == found
+    assert predict_tensor(blob[:100], source="t") is None  # data.pkl cut off: no prediction
+    assert predict_tensor(memoryview(b"garbage" * 100), source="t") is None
+    end = found.data_start + found.storage_bytes
+    assert locate_tensor(SplitBlob(blob[: found.data_start], blob[end:], len(blob)), source="t") == found
+    with pytest.raises(SplitBlob.MissingBytes):
+        SplitBlob(blob[:10], blob[end:], len(blob)).read(20)

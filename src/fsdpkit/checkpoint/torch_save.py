@@ -187,6 +187,40 @@ def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
                          storage_offset=record.storage_offset, data_start=data_start, storage_bytes=info.file_size)
 
 
+def predict_tensor(head: memoryview, *, source: str) -> TensorPayload | None:
+    """Where the tensor of a `torch.save` blob lies, from the blob's first bytes only (`head`),
+    or None when `head` does not show it.
+
+    The zip directory sits at the blob's end, so `locate_tensor` needs the whole blob (or a seek
+    to its end). torch.save writes `data.pkl` first and each record's local header just before
+    its bytes, so the first few KiB name the tensor and where its storage record starts: enough
+    to read the storage straight into its destination in a front-to-back read. A prediction only:
+    check it against `locate_tensor` over the same bytes once the directory has been read."""
+    if len(head) < _ZIP_LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
+        return None
+    *_, name_len, extra_len = _ZIP_LOCAL_HEADER.unpack_from(head)
+    name = bytes(head[_ZIP_LOCAL_HEADER.size : _ZIP_LOCAL_HEADER.size + name_len])
+    if not name.endswith(b"data.pkl"):
+        return None
+    try:
+        record = _read_record(source, bytes(head[_ZIP_LOCAL_HEADER.size + name_len + extra_len :]))
+    except CheckpointCorruptError:  # cut off by the end of `head`, or garbled: the whole blob decides
+        return None
+    wanted = name[: -len(b"data.pkl")] + f"data/{record.storage.key}".encode()
+    data = bytes(head)
+    at = data.find(b"PK\x03\x04", _ZIP_LOCAL_HEADER.size)
+    while 0 <= at <= len(data) - _ZIP_LOCAL_HEADER.size:
+        *_, name_len, extra_len = _ZIP_LOCAL_HEADER.unpack_from(data, at)
+        start = at + _ZIP_LOCAL_HEADER.size
+        if data[start : start + name_len] == wanted:
+            itemsize = 1 if record.storage.dtype is None else record.dtype.itemsize
+            return TensorPayload(dtype=record.dtype, shape=record.shape, stride=record.stride,
+                                 storage_offset=record.storage_offset, data_start=start + name_len + extra_len,
+                                 storage_bytes=record.storage.numel * itemsize)
+        at = data.find(b"PK\x03\x04", at + 1)
+    return None
+
+
 def _data_start(blob: IO[bytes], info: zipfile.ZipInfo, source: str) -> int:
     """Offset of the first byte of the stored (uncompressed) record `info` within `blob`."""
     if info.compress_type != zipfile.ZIP_STORED:
@@ -261,6 +295,32 @@ class MemoryReader(_Window):
         n = max(0, min(len(out), self._length - self._pos))
         out[:n] = self._view[self._pos:self._pos + n]
         self._pos += n
+        return n
+
+
+class SplitBlob(_Window):
+    """A blob of `length` bytes of which only the first bytes (`head`) and the last (`tail`) are
+    at hand, the middle having gone elsewhere (a tensor read straight into its destination).
+    Reading the middle raises MissingBytes."""
+
+    class MissingBytes(Exception):
+        pass
+
+    def __init__(self, head: memoryview, tail: memoryview, length: int) -> None:
+        super().__init__(length)
+        self._head, self._tail, self._tail_start = head, tail, length - len(tail)
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), self._length - self._pos))
+        start, end = self._pos, self._pos + n
+        if end <= len(self._head):
+            out[:n] = self._head[start:end]
+        elif start >= self._tail_start:
+            out[:n] = self._tail[start - self._tail_start : end - self._tail_start]
+        elif n:
+            raise self.MissingBytes(f"bytes {start}-{end} of the blob were not kept")
+        self._pos = end
         return n
 
 

@@ -2,15 +2,16 @@
 
 Why: checking every file's xxh3 before loading (`resolve_checkpoint(verify_checksums=True)`)
 reads the whole checkpoint once, then DCP reads it again to load it; on a cold cache that doubles
-the I/O of a resume. Here each rank reads every file it reads whole in offset order into one
-reused buffer (hashing it as it goes when asked) and copies each tensor from that buffer into its
-target: one read, and one copy out of it where DCP makes two (into torch.load's own storage, then
-into the target). At the same world size that covers every data file. Of a file a rank needs only
-part of (a load at another world size: some of its items, or some rows of each), it reads just the
-rows its targets need, straight into them (DCP reads every item whole and copies it twice); where
-several ranks of a host need parts of one file, one of them reads it whole first and the others
-take their rows from the page cache. Files no rank read whole are hashed afterwards, split over
-ranks. `fsdpkit ckpt verify` keeps the separate, complete verification.
+the I/O of a resume. Here each rank reads every file it reads whole in offset order (hashing it as
+it goes when asked): a large tensor whose target lives in host memory straight into the target,
+everything else into one reused buffer, from which each tensor is copied into its target. One read,
+and no copy or one where DCP makes two (into torch.load's own storage, then into the target). At
+the same world size that covers every data file. Of a file a rank needs only part of (a load at
+another world size: some of its items, or some rows of each), it reads just the rows its targets
+need, straight into them (DCP reads every item whole and copies it twice), unless the ranks of its
+host need at least half of it: then one of them reads it whole first and the others take their
+rows from the page cache. Files no rank read whole are hashed afterwards, split over ranks.
+`fsdpkit ckpt verify` keeps the separate, complete verification.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
 from fsdpkit.checkpoint.torch_save import (
     FileWindow,
     MemoryReader,
+    SplitBlob,
     TensorPayload,
     locate_tensor,
+    predict_tensor,
     tensor_in_blob,
 )
 
@@ -60,15 +63,25 @@ WHOLE_FILE_THREADS = 2
 GAP_BYTES = 16 << 20
 """Bytes of a file outside every item it lists are read (and hashed) this many at a time."""
 
+DIRECT_MIN_BYTES = int(os.environ.get("FSDPKIT_DIRECT_READ_BYTES", str(1 << 20)))
+"""Items of at least this many bytes whose target is a host tensor are read straight into it
+(smaller ones cost more in parsing than the copy they spare)."""
+
+HEAD_BYTES = 4096
+"""Bytes of an item read before its tensor (torch.save's data.pkl and local headers: < 1 KiB)."""
+
 
 def assign_whole_readers(needs: list[Any], sizes: dict[str, int], *, hash_files: bool) -> tuple[list[set[str]], bool]:
     """Which rank reads which file whole, from each rank's `{"host", "partial": {file: bytes it
     needs}}` (its files read in part): (the files per rank, whether every rank must wait for them).
 
-    Where several ranks of one host need parts of a file that together make at least half of it,
-    the one needing most (then the least loaded) reads it whole and the others wait, then read
-    their parts from the page cache. With `hash_files`, every file read in part gets such a reader
-    on each host (its checksum comes from that read). Elsewhere a rank reads just its parts.
+    Where the ranks of one host need parts of a file that together make at least half of it,
+    the one needing most (then the least loaded) reads it whole in one sequential pass; when
+    others of the host need parts too, they wait for it, then read their parts from the page
+    cache. (A rank alone: e.g. 1 rank loading a checkpoint of 2, whose second file holds the
+    other rank's RNG state besides the tensors it needs.) With `hash_files`, every file read in
+    part gets such a reader on each host (its checksum comes from that read). Elsewhere a rank
+    reads just its parts.
     """
     readers: dict[tuple[str, str], list[tuple[int, int]]] = {}
     for rank, need in enumerate(needs):
@@ -80,7 +93,7 @@ def assign_whole_readers(needs: list[Any], sizes: dict[str, int], *, hash_files:
     wait = False
     for (_, name), ranks in sorted(readers.items()):
         shared = len(ranks) > 1
-        if not hash_files and not (shared and 2 * sum(n for _, n in ranks) >= sizes.get(name, 0) > 0):
+        if not hash_files and not 2 * sum(n for _, n in ranks) >= sizes.get(name, 0) > 0:
             continue
         rank = max(ranks, key=lambda rn: (rn[1], -load[rn[0]], -rn[0]))[0]
         whole[rank].add(name)
@@ -190,16 +203,24 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         return fut
 
     def _load_whole(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
-        with closing(self._read_in_order(name, reqs)) as items:  # closes the file at once on an error
+        with closing(self._read_in_order(name, reqs, planner)) as items:  # closes the file at once on an error
             for req, info, data in items:
-                self._consume(req, info, data, planner)
+                if isinstance(data, torch.Tensor):  # read straight into its target
+                    with self._planner_lock:
+                        planner.commit_tensor(req, data)
+                else:
+                    self._consume(req, info, data, planner)
 
-    def _read_in_order(self, name: str, reqs: list[ReadItem]) -> Iterator[tuple[ReadItem, _StorageInfo, memoryview]]:
-        """(request, storage info, its item's bytes) for `reqs`, reading file `name` whole in offset
-        order on the calling thread into one buffer reused from item to item (a view is valid until
-        the next is asked for). Items no request takes are read too (into the page cache other ranks
-        of this host read them from); with `hash_files`, every byte is hashed as read and the file's
-        (size, digest) recorded once read to the end.
+    def _read_in_order(self, name: str, reqs: list[ReadItem], planner: LoadPlanner,
+                       ) -> Iterator[tuple[ReadItem, _StorageInfo, memoryview | torch.Tensor]]:
+        """(request, storage info, its item's bytes, or its target already filled) for `reqs`,
+        reading file `name` whole in offset order on the calling thread. An item's bytes go to one
+        buffer reused from item to item (a view is valid until the next is asked for), except the
+        tensor of an item that one request takes whole into a host tensor of its dtype and shape
+        (at least DIRECT_MIN_BYTES): that is read straight into the target, the item's first and
+        last bytes into the buffer (`_read_into_target`). Items no request takes are read too (into
+        the page cache other ranks of this host read them from); with `hash_files`, every byte is
+        hashed as read and the file's (size, digest) recorded once read to the end.
 
         One thread, as DCP's own reader: the kernel's read-ahead streams the file meanwhile
         (restarted every page_cache.READ_RESTART_BYTES by SequentialReader). A
@@ -216,29 +237,91 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         path = self.fs.concat_path(self.path, name)
         with SequentialReader(path) as stream:
 
-            def read(length: int) -> memoryview:
+            def fill(view: memoryview) -> int:
                 nonlocal position
-                view, got = buffer.view(length), 0
-                while got < length and (n := stream.readinto(view[got:])):
+                got = 0
+                while got < len(view) and (n := stream.readinto(view[got:])):
                     got += n
                 position += got
                 if self.hash_files:
                     digest.update(view[:got])
-                return view[:got]
+                return got
+
+            def read(length: int) -> memoryview:
+                view = buffer.view(length)
+                return view[: fill(view)]
 
             for index, info in items:
                 if info.offset < position:
                     raise CheckpointCorruptError(f"{path}: the metadata's items overlap at byte {info.offset}")
                 while position < info.offset and read(min(info.offset - position, GAP_BYTES)):
                     pass  # bytes between items (none in a file DCP wrote)
-                data = read(info.length)
-                for req in wanted.get(index, ()):
+                here = wanted.get(index, [])
+                target = self._direct_target(here, info, planner)
+                if target is not None:
+                    got = self._read_into_target(target, info, buffer.view(info.length), fill,
+                                                 source=f"{path} at byte {info.offset}")
+                    if isinstance(got, torch.Tensor):
+                        yield here[0], info, got
+                        continue
+                    data = got if got is not None else _pread_item(path, info, buffer.view(info.length))
+                else:
+                    data = read(info.length)
+                for req in here:
                     yield req, info, data
             while position < end and read(min(end - position, GAP_BYTES)):
                 pass
             if self.hash_files:
                 longer = stream.readinto(bytearray(1))  # more than the manifest says: not the file written
                 self.digests[name] = (position + longer, digest.hexdigest())
+
+    def _direct_target(self, reqs: list[ReadItem], info: _StorageInfo, planner: LoadPlanner) -> torch.Tensor | None:
+        """The target to read item `info`'s tensor straight into, if one request takes the item
+        whole into a contiguous host tensor of the stored shape and at least DIRECT_MIN_BYTES."""
+        if len(reqs) != 1 or info.transform_descriptors or info.length < DIRECT_MIN_BYTES:
+            return None
+        req = reqs[0]
+        if req.type != LoadItemType.TENSOR or not self._needed_whole(req):
+            return None
+        with self._planner_lock:
+            target = planner.resolve_tensor(req).detach()
+        if target.device.type != "cpu" or not target.is_contiguous() or tuple(target.size()) != tuple(req.lengths):
+            return None
+        return target
+
+    @staticmethod
+    def _read_into_target(target: torch.Tensor, info: _StorageInfo, view: memoryview,
+                          fill: Callable[[memoryview], int], *, source: str) -> torch.Tensor | memoryview | None:
+        """Read item `info` (the next bytes `fill` reads) with its tensor's bytes straight into
+        `target`: the first HEAD_BYTES into `view` (`predict_tensor` finds the tensor there), the
+        tensor into the target, the rest into `view` after the head. Then the zip directory at the
+        end must agree with the prediction (`locate_tensor` over head and tail). Returns the
+        target once it holds the tensor. Where the head shows no tensor of the target's dtype and
+        shape, the rest of the item goes to `view` too and the item's bytes are returned, for
+        `_consume` to copy or to say what is wrong. None when the directory disagrees with the
+        head (not laid out as torch.save lays it out): the item was read in order (and hashed),
+        and the caller reads it again into the buffer."""
+        head = view[: fill(view[:HEAD_BYTES])]
+        payload = predict_tensor(head, source=source)
+        fits = (payload is not None and payload.is_contiguous and payload.dtype == target.dtype
+                and payload.shape == tuple(target.size()))
+        start = payload.data_start + payload.storage_offset * payload.dtype.itemsize if fits else 0
+        if not fits or not start < len(head) < start + target.nbytes <= info.length:
+            return view[: len(head) + fill(view[len(head):])]
+        out = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+        in_head = len(head) - start
+        out[:in_head] = head[start:]
+        got = in_head + fill(out[in_head:])
+        tail = view[len(head) : len(head) + info.length - start - target.nbytes]
+        kept = fill(tail) if got == target.nbytes else 0
+        if got != target.nbytes or kept != len(tail):
+            raise CheckpointCorruptError(f"{source}: the file ends {info.length - start - got - kept} bytes before "
+                                         "the end of this item (truncated)")
+        try:
+            found = locate_tensor(SplitBlob(head, tail, info.length), source=source)
+        except (CheckpointCorruptError, SplitBlob.MissingBytes):
+            return None
+        return target if found == payload else None
 
     def _read_rows(self, in_part: dict[str, list[ReadItem]], planner: LoadPlanner) -> list[ReadItem]:
         """Items of files this rank needs only part of (a load at another world size): each
@@ -316,6 +399,15 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         target.copy_(tensor)
         with self._planner_lock:
             planner.commit_tensor(req, target)
+
+
+def _pread_item(path: str | os.PathLike, info: _StorageInfo, view: memoryview) -> memoryview:
+    """Item `info`'s bytes, read again with positional reads into `view` (its length)."""
+    with open(path, "rb") as file:
+        done = 0
+        while done < len(view) and (n := os.preadv(file.fileno(), [view[done:]], info.offset + done)):
+            done += n
+    return view[:done]
 
 
 def _row_span(payload: TensorPayload, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
