@@ -284,6 +284,28 @@ def test_large_tensors_are_read_straight_into_their_targets_and_hashed(large, mo
     assert reader.digests == {name: (len(data), xxhash.xxh3_64(data).hexdigest())}
 
 
+def test_the_rows_a_rank_holds_are_read_straight_into_its_targets(large, monkeypatch):
+    """At another world size a rank that reads a file whole takes its rows of each tensor
+    straight from the file; other slices (columns) go through the buffer."""
+    path, state = large
+    copied: list[str] = []
+    real = VerifyingFileSystemReader._consume
+    monkeypatch.setattr(VerifyingFileSystemReader, "_consume",
+                        lambda self, req, *a: (copied.append(req.dest_index.fqn), real(self, req, *a))[1])
+    targets = {"big": torch.empty(200, 1024), "half": torch.empty(1024, 100, dtype=torch.bfloat16)}
+    items = [_item("big", (100, 0), (200, 1024)), _item("half", (0, 500), (1024, 100))]
+    reader = _reader(path)
+    plan = reader.prepare_global_plan([reader.prepare_local_plan(LoadPlan(items))])[0]
+    assert plan.storage_data["read_whole"]  # the file is read whole (its checksum comes from that read)
+    reader.read_data(plan, _Planner(targets)).wait()
+    assert torch.equal(targets["big"], state["big"][100:300])
+    assert torch.equal(targets["half"], state["half"][:, 500:600])
+    assert copied == ["half"]
+    (name,) = [p.name for p in path.glob("*.distcp")]
+    data = (path / name).read_bytes()
+    assert reader.digests == {name: (len(data), xxhash.xxh3_64(data).hexdigest())}
+
+
 def test_a_target_of_another_dtype_is_copied_from_the_buffer(large, monkeypatch):
     path, state = large
     targets = {k: torch.empty(v.shape, dtype=torch.float32) for k, v in state.items()}

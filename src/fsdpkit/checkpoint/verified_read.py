@@ -3,8 +3,9 @@
 Why: checking every file's xxh3 before loading (`resolve_checkpoint(verify_checksums=True)`)
 reads the whole checkpoint once, then DCP reads it again to load it; on a cold cache that doubles
 the I/O of a resume. Here each rank reads every file it reads whole in offset order (hashing it as
-it goes when asked): a large tensor whose target lives in host memory straight into the target,
-everything else into one reused buffer, from which each tensor is copied into its target. One read,
+it goes when asked): a large tensor (or the rows of it the rank holds) whose target lives in host
+memory straight into the target, everything else into one reused buffer, from which each tensor is
+copied into its target. One read,
 and no copy or one where DCP makes two (into torch.load's own storage, then into the target). At
 the same world size that covers every data file. Of a file a rank needs only part of (a load at
 another world size: some of its items, or some rows of each), it reads just the rows its targets
@@ -216,9 +217,9 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         """(request, storage info, its item's bytes, or its target already filled) for `reqs`,
         reading file `name` whole in offset order on the calling thread. An item's bytes go to one
         buffer reused from item to item (a view is valid until the next is asked for), except the
-        tensor of an item that one request takes whole into a host tensor of its dtype and shape
-        (at least DIRECT_MIN_BYTES): that is read straight into the target, the item's first and
-        last bytes into the buffer (`_read_into_target`). Items no request takes are read too (into
+        bytes one request takes from an item of at least DIRECT_MIN_BYTES into a host tensor of
+        their dtype (the whole tensor, or whole rows of it): those are read straight into the
+        target, the item's other bytes into the buffer (`_read_into_target`). Items no request takes are read too (into
         the page cache other ranks of this host read them from); with `hash_files`, every byte is
         hashed as read and the file's (size, digest) recorded once read to the end.
 
@@ -259,7 +260,7 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 here = wanted.get(index, [])
                 target = self._direct_target(here, info, planner)
                 if target is not None:
-                    got = self._read_into_target(target, info, buffer.view(info.length), fill,
+                    got = self._read_into_target(target, here[0], info, buffer.view(info.length), fill,
                                                  source=f"{path} at byte {info.offset}")
                     if isinstance(got, torch.Tensor):
                         yield here[0], info, got
@@ -276,12 +277,13 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 self.digests[name] = (position + longer, digest.hexdigest())
 
     def _direct_target(self, reqs: list[ReadItem], info: _StorageInfo, planner: LoadPlanner) -> torch.Tensor | None:
-        """The target to read item `info`'s tensor straight into, if one request takes the item
-        whole into a contiguous host tensor of the stored shape and at least DIRECT_MIN_BYTES."""
+        """The target to read item `info`'s bytes straight into, if the item has at least
+        DIRECT_MIN_BYTES and one request takes a tensor from it into a contiguous host tensor
+        (`_read_into_target` then checks that it takes whole rows of the stored dtype)."""
         if len(reqs) != 1 or info.transform_descriptors or info.length < DIRECT_MIN_BYTES:
             return None
         req = reqs[0]
-        if req.type != LoadItemType.TENSOR or not self._needed_whole(req):
+        if req.type != LoadItemType.TENSOR:
             return None
         with self._planner_lock:
             target = planner.resolve_tensor(req).detach()
@@ -290,35 +292,42 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         return target
 
     @staticmethod
-    def _read_into_target(target: torch.Tensor, info: _StorageInfo, view: memoryview,
+    def _read_into_target(target: torch.Tensor, req: ReadItem, info: _StorageInfo, view: memoryview,
                           fill: Callable[[memoryview], int], *, source: str) -> torch.Tensor | memoryview | None:
-        """Read item `info` (the next bytes `fill` reads) with its tensor's bytes straight into
-        `target`: the first HEAD_BYTES into `view` (`predict_tensor` finds the tensor there), the
-        tensor into the target, the rest into `view` after the head. Then the zip directory at the
-        end must agree with the prediction (`locate_tensor` over head and tail). Returns the
-        target once it holds the tensor. Where the head shows no tensor of the target's dtype and
-        shape, the rest of the item goes to `view` too and the item's bytes are returned, for
-        `_consume` to copy or to say what is wrong. None when the directory disagrees with the
+        """Read item `info` (the next bytes `fill` reads) with the bytes `req` takes straight into
+        `target`: the item's whole tensor at the saved world size, its rows for this rank at another
+        (a slice of whole rows is one byte range). The first HEAD_BYTES go to `view`
+        (`predict_tensor` finds the tensor there), so do the bytes before and after the target's
+        (other ranks' rows, the zip directory), kept back to back. Then the directory must agree
+        with the prediction (`locate_tensor` over what `view` kept). Returns the target once it
+        holds its bytes. Where the head shows no tensor of the target's dtype of which `req` takes
+        whole rows, the rest of the item goes to `view` too and the item's bytes are returned,
+        for `_consume` to copy or to say what is wrong. None when the directory disagrees with the
         head (not laid out as torch.save lays it out): the item was read in order (and hashed),
         and the caller reads it again into the buffer."""
         head = view[: fill(view[:HEAD_BYTES])]
         payload = predict_tensor(head, source=source)
-        fits = (payload is not None and payload.is_contiguous and payload.dtype == target.dtype
-                and payload.shape == tuple(target.size()))
-        start = payload.data_start + payload.storage_offset * payload.dtype.itemsize if fits else 0
-        if not fits or not start < len(head) < start + target.nbytes <= info.length:
+        span = None
+        if payload is not None and payload.dtype == target.dtype:
+            span = _row_span(payload, tuple(req.storage_offsets), tuple(req.lengths))
+        start, count = (payload.data_start + span[0], span[1]) if payload is not None and span else (0, 0)
+        if span is None or count != target.nbytes or not len(head) < start + count <= info.length:
             return view[: len(head) + fill(view[len(head):])]
-        out = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-        in_head = len(head) - start
-        out[:in_head] = head[start:]
-        got = in_head + fill(out[in_head:])
-        tail = view[len(head) : len(head) + info.length - start - target.nbytes]
-        kept = fill(tail) if got == target.nbytes else 0
-        if got != target.nbytes or kept != len(tail):
-            raise CheckpointCorruptError(f"{source}: the file ends {info.length - start - got - kept} bytes before "
-                                         "the end of this item (truncated)")
+        front = max(start, len(head))  # the item's bytes [0, front) stay in view
+        have = len(head) + fill(view[len(head) : front])
+        tail = view[front : front + info.length - start - count]
+        if have == front:
+            out = memoryview(target.reshape(-1).view(torch.uint8).numpy())
+            out[: front - start] = view[start:front]
+            got = fill(out[front - start :])
+            have += got
+            if front - start + got == count:
+                have += fill(tail)
+        if have != info.length:
+            raise CheckpointCorruptError(f"{source}: the file ends {info.length - have} bytes before the end of this "
+                                         "item (truncated)")
         try:
-            found = locate_tensor(SplitBlob(head, tail, info.length), source=source)
+            found = locate_tensor(SplitBlob(view[:front], tail, info.length), source=source)
         except (CheckpointCorruptError, SplitBlob.MissingBytes):
             return None
         return target if found == payload else None
