@@ -5,9 +5,8 @@ reads the whole checkpoint once, then DCP reads it again to load it; on a cold c
 the I/O of a resume. Here each rank reads every file it reads whole in offset order (hashing it as
 it goes when asked): a large tensor (or the rows of it the rank holds) whose target lives in host
 memory straight into the target, everything else into one reused buffer, from which each tensor is
-copied into its target. One read,
-and no copy or one where DCP makes two (into torch.load's own storage, then into the target). At
-the same world size that covers every data file. Of a file a rank needs only part of (a load at
+copied into its target. One read, and no copy or one where DCP makes two (into torch.load's own
+storage, then into the target). At the same world size that covers every data file. Of a file a rank needs only part of (a load at
 another world size: some of its items, or some rows of each), it reads just the rows its targets
 need, straight into them (DCP reads every item whole and copies it twice), unless the ranks of its
 host need at least half of it: then one of them reads it whole first and the others take their
@@ -219,9 +218,10 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         buffer reused from item to item (a view is valid until the next is asked for), except the
         bytes one request takes from an item of at least DIRECT_MIN_BYTES into a host tensor of
         their dtype (the whole tensor, or whole rows of it): those are read straight into the
-        target, the item's other bytes into the buffer (`_read_into_target`). Items no request takes are read too (into
-        the page cache other ranks of this host read them from); with `hash_files`, every byte is
-        hashed as read and the file's (size, digest) recorded once read to the end.
+        target, the item's other bytes into the buffer (`_read_into_target`). Items no request
+        takes are read too (into the page cache other ranks of this host read them from); with
+        `hash_files`, every byte is hashed as read and the file's (size, digest) recorded once
+        read to the end.
 
         One thread, as DCP's own reader: the kernel's read-ahead streams the file meanwhile
         (restarted every page_cache.READ_RESTART_BYTES by SequentialReader). A
