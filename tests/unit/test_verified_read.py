@@ -358,3 +358,21 @@ def test_predict_tensor_from_the_head_matches_the_zip_directory(tensor):
     assert locate_tensor(SplitBlob(blob[: found.data_start], blob[end:], len(blob)), source="t") == found
     with pytest.raises(SplitBlob.MissingBytes):
         SplitBlob(blob[:10], blob[end:], len(blob)).read(20)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="no /proc here: one descriptor reads it all")
+def test_whole_files_are_read_through_a_descriptor_renewed_every_restart_bytes(large, monkeypatch):
+    """The load's whole-file reads, into targets and into the buffer alike, go through
+    page_cache.SequentialReader (a new descriptor every READ_RESTART_BYTES: see page_cache)."""
+    from fsdpkit.checkpoint import page_cache
+
+    monkeypatch.setattr(page_cache, "READ_RESTART_BYTES", 1 << 20)
+    path, state = large
+    opened: list[str] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "open", lambda p, *a, **kw: (opened.append(str(p)), real_open(p, *a, **kw))[1])
+    reader, targets, copied = _load_all(path, state, monkeypatch)
+    assert torch.equal(targets["big"], state["big"]) and sorted(copied) == ["s", "small"]
+    (name,) = [p.name for p in path.glob("*.distcp")]
+    size = (path / name).stat().st_size
+    assert len([p for p in opened if p.startswith("/proc/self/fd/")]) == size // (1 << 20)
