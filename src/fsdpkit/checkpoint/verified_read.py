@@ -6,11 +6,11 @@ the I/O of a resume. Here each rank reads every file it reads whole in offset or
 it goes when asked): a large tensor (or the rows of it the rank holds) whose target lives in host
 memory straight into the target, everything else into one reused buffer, from which each tensor is
 copied into its target. One read, and no copy or one where DCP makes two (into torch.load's own
-storage, then into the target). At the same world size that covers every data file. Of a file a rank needs only part of (a load at
-another world size: some of its items, or some rows of each), it reads just the rows its targets
-need, straight into them (DCP reads every item whole and copies it twice), unless the ranks of its
-host need at least half of it: then one of them reads it whole first and the others take their
-rows from the page cache. Files no rank read whole are hashed afterwards, split over ranks.
+storage, then into the target). At the same world size that covers every data file. Of a file a
+rank needs only part of (a load at another world size: some of its items, or some rows of each),
+it reads just the rows its targets need, straight into them (DCP reads every item whole and copies
+it twice), unless the ranks of its host need at least half of it: then one of them reads it whole
+first and the others take their rows from the page cache. Files no rank read whole are hashed afterwards, split over ranks.
 `fsdpkit ckpt verify` keeps the separate, complete verification.
 """
 
@@ -310,7 +310,7 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         span = None
         if payload is not None and payload.dtype == target.dtype:
             span = _row_span(payload, tuple(req.storage_offsets), tuple(req.lengths))
-        start, count = (payload.data_start + span[0], span[1]) if payload is not None and span else (0, 0)
+        start, count = (payload.data_start + span[0], span[1]) if payload is not None and span is not None else (0, 0)
         if span is None or count != target.nbytes or not len(head) < start + count <= info.length:
             return view[: len(head) + fill(view[len(head):])]
         front = max(start, len(head))  # the item's bytes [0, front) stay in view
@@ -413,10 +413,15 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
 def _pread_item(path: str | os.PathLike, info: _StorageInfo, view: memoryview) -> memoryview:
     """Item `info`'s bytes, read again with positional reads into `view` (its length)."""
     with open(path, "rb") as file:
-        done = 0
-        while done < len(view) and (n := os.preadv(file.fileno(), [view[done:]], info.offset + done)):
-            done += n
-    return view[:done]
+        return view[: _pread_into(file.fileno(), view, info.offset)]
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Positional reads into `view` from `offset` until it is full or the file ends; the bytes read."""
+    done = 0
+    while done < len(view) and (n := os.preadv(fd, [view[done:]], offset + done)):
+        done += n
+    return done
 
 
 def _row_span(payload: TensorPayload, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> tuple[int, int] | None:
@@ -442,12 +447,9 @@ def _pread_exactly(fd: int, out: torch.Tensor, offset: int, nbytes: int, *, wher
     view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if out.numel() else memoryview(b"")
     if len(view) != nbytes:
         raise CheckpointCorruptError(f"{where}: the stored slice has {nbytes} bytes, the target {len(view)}")
-    done = 0
-    while done < nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise CheckpointCorruptError(f"{where}: the file ends {nbytes - done} bytes early (truncated)")
-        done += n
+    done = _pread_into(fd, view, offset)
+    if done < nbytes:
+        raise CheckpointCorruptError(f"{where}: the file ends {nbytes - done} bytes early (truncated)")
 
 
 class _Buffer:
