@@ -58,6 +58,8 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
 - B6 goodput: --b6-steps fixed-cost steps, a save every --b6-every steps, for no checkpoint,
   fsdpkit sync, fsdpkit AsyncSaver (blocking and background staging) and dcp.async_save, state
   --b6-size-gib; --b6-rounds runs of each (medians), in the order A B C D E, then E D C B A, ...;
+  each async method is made once per phase and warmed by one untimed save before the runs, as a
+  training run makes its saver once (a staging buffer's one-time allocation is B2's first stall);
   a thread of rank 0 that sleeps 5 ms at a time measures how late it wakes (GIL or core wait); on 2 ranks (no core free on a 2-core
   machine) and on 1 rank (a core free for the background work, as on GPU nodes). Overhead =
   median loop time / that without checkpoints - 1; the loop ends when the last step's save call
@@ -112,15 +114,33 @@ FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps
 
 
 # -- ceilings --------------------------------------------------------------------------------
-def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0) -> tuple[float, float]:
+def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0, direct: bool = False) -> tuple[float, float]:
     """(seconds for write + fsync, of which fsync), `block` after `block` in 256 KiB write calls
     (fsdpkit.checkpoint.page_cache: on a VM that returns free memory to its host, 16 MiB calls
-    were up to 3x slower); with `writeback`, the write-back of every
-    `writeback` bytes is started as the writing goes on, as fsdpkit's checkpoint writer does."""
+    were up to 3x slower); with `writeback`, the write-back of every `writeback` bytes is started
+    as the writing goes on, as fsdpkit's checkpoint writer does where O_DIRECT is off; with
+    `direct`, through O_DIRECT from reused aligned buffers, as fsdpkit's checkpoint writer does
+    (direct_io.DirectWriter, hashing.DIRECT_BUFFER_BYTES blocks on DIRECT_WRITERS threads)."""
+    from fsdpkit.checkpoint.direct_io import DirectWriter
+    from fsdpkit.checkpoint.hashing import DIRECT_BUFFER_BYTES, DIRECT_WRITERS
     from fsdpkit.checkpoint.page_cache import write_in_pieces
     from fsdpkit.checkpoint.writeback import WriteBack
 
     t0 = time.perf_counter()
+    if direct:
+        writer = DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS)
+        try:
+            if not writer.direct:
+                raise OSError(f"{path.parent} takes no O_DIRECT writes")
+            for _ in range(nbytes // len(block)):
+                writer.write(block)
+            writer.finish()
+            t1 = time.perf_counter()
+            writer.close()
+        finally:
+            writer.abort()
+        t2 = time.perf_counter()
+        return t2 - t0, t2 - t1
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         wb = WriteBack(fd, writeback)
@@ -180,26 +200,27 @@ def _concurrently(fns: list) -> float:
 
 def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block: bytes) -> dict[str, Any]:
     """`streams` new files of nbytes/streams each, written at once by as many threads (os.write
-    drops the GIL), each fsynced: what N ranks writing their shards at once can reach. Two ways,
-    alternating: plain (all the write-back in the fsync) and starting the write-back every
-    WRITEBACK_BYTES as the writing goes on (fsdpkit's writer does); the ceiling is the faster
-    median. A new set of files per repetition, the previous set deleted first (the pattern of the
+    drops the GIL), each fsynced: what N ranks writing their shards at once can reach. Three ways,
+    alternating: plain (all the write-back in the fsync), starting the write-back every
+    WRITEBACK_BYTES as the writing goes on, and O_DIRECT (fsdpkit's writer does the last, or the
+    second where O_DIRECT is off); the ceiling is the fastest median. A new set of files per repetition, the previous set deleted first (the pattern of the
     checkpoint runs: new files, the last run's deleted; rewriting one file in place was ~4x slower
     here)."""
     from fsdpkit.checkpoint.hashing import WRITEBACK_BYTES
 
     each = nbytes // streams // CHUNK * CHUNK
-    ways = {"plain": 0, **({"writeback": WRITEBACK_BYTES} if WRITEBACK_BYTES > 0 else {})}
+    ways = {"plain": {}, **({"writeback": {"writeback": WRITEBACK_BYTES}} if WRITEBACK_BYTES > 0 else {}),
+            **({"O_DIRECT": {"direct": True}} if _takes_direct(workdir) else {})}
     times: dict[str, list[float]] = {w: [] for w in ways}
     fsyncs: dict[str, list[float]] = {w: [] for w in ways}
     previous: list[Path] = []
     for r in range(reps):
-        for k, (way, writeback) in enumerate(ways.items()):
+        for k, (way, how) in enumerate(ways.items()):
             for p in previous:
                 p.unlink()
             previous = [workdir / f"ceiling_{streams}_{r}_{k}_{i}.bin" for i in range(streams)]
             out: list[tuple[float, float]] = []
-            times[way].append(_concurrently([lambda p=p, out=out, wb=writeback: out.append(_write_file(p, each, block, writeback=wb))
+            times[way].append(_concurrently([lambda p=p, out=out, how=how: out.append(_write_file(p, each, block, **how))
                                              for p in previous]))
             fsyncs[way].append(max(f for _, f in out))
     for p in previous:
@@ -209,7 +230,25 @@ def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block:
     gbps = {way: statistics.median(r) for way, r in runs.items()}
     best = max(gbps, key=gbps.__getitem__)
     return {"streams": streams, "bytes": total, "gbps": gbps[best], "runs_gbps": runs[best], "fsync_s": fsyncs[best],
-            "best_way": best, "ways_gbps": gbps, "writeback_bytes": ways.get("writeback", 0)}
+            "best_way": best, "ways_gbps": gbps, "writeback_bytes": WRITEBACK_BYTES if "writeback" in ways else 0}
+
+
+def _takes_direct(folder: Path) -> bool:
+    """Whether files in `folder` take O_DIRECT writes (not tmpfs, nor with FSDPKIT_DIRECT_IO=0)."""
+    from fsdpkit.checkpoint import direct_io
+
+    probe = folder / "o_direct_probe.bin"
+    fd = direct_io.open_direct(probe, os.O_WRONLY | os.O_CREAT)
+    if fd is None:
+        return False
+    try:
+        os.pwrite(fd, direct_io.aligned_buffer(direct_io.ALIGN).numpy(), 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        probe.unlink()
 
 
 def read_ceiling(paths: list[Path], *, reps: int, drop: bool, direct: bool = False) -> dict[str, Any]:

@@ -9,7 +9,8 @@ FSDPKIT_SYNC = "fsdpkit save_checkpoint"
 DCP_SYNC = "dcp.save"
 TORCH_SYNC = "torch.save (rank 0, full)"
 RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"  # B1's in-run disk ceilings: this one,
-RAW_WRITE_WB = "raw write + fsync, write-back started every"  # and (a prefix) this one; the faster counts
+RAW_WRITE_WB = "raw write + fsync, write-back started every"  # and (prefixes) this one and the O_DIRECT one;
+RAW_WRITE_DIRECT = "raw write + fsync, O_DIRECT"  # the fastest counts
 RAW_READ = "raw read of each rank's share of the bytes (ceiling)"  # B4/B5's, likewise
 FSDPKIT_ASYNC = "fsdpkit AsyncSaver"
 FSDPKIT_ASYNC_BG = "fsdpkit AsyncSaver, background staging"
@@ -70,11 +71,13 @@ def _b1(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, lines
                      f"whole save in the manifest {m['total_s']:.2f} s")
     gbps = total / med[FSDPKIT_SYNC] / 1e9
     others = f"the ceilings measured before the benchmarks: {n} streams {disk:.2f}: {gbps / disk:.2f}, 1 stream {one:.2f}: {gbps / one:.2f}"
-    raws = {name: total / t / 1e9 for name, t in med.items() if name == RAW_WRITE or name.startswith(RAW_WRITE_WB)}
+    raws = {name: total / t / 1e9 for name, t in med.items()
+            if name == RAW_WRITE or name.startswith((RAW_WRITE_WB, RAW_WRITE_DIRECT))}
     if raws:  # the ceilings timed in the same rotation as the saves: same ranks, bytes and moment; the faster counts
         best = max(raws, key=raws.__getitem__)
         raw = raws[best]
-        each = ", ".join(f"{'write-back as it goes' if k != RAW_WRITE else 'plain'} {v:.2f}" for k, v in raws.items())
+        label = lambda k: "plain" if k == RAW_WRITE else "O_DIRECT" if k.startswith(RAW_WRITE_DIRECT) else "write-back as it goes"  # noqa: E731
+        each = ", ".join(f"{label(k)} {v:.2f}" for k, v in raws.items())
         _target(targets, f"B1 fsdpkit sync durable GB/s / raw write+fsync GB/s of the same bytes ({n} ranks at once, "
                 "timed in the same rotation; the faster way)", size, gbps / raw, ">= 0.8", gbps / raw >= 0.8,
                 f"{gbps:.2f} / {raw:.2f} = {gbps / raw:.2f} (raw writes: {each}; {others})")
@@ -351,13 +354,14 @@ def _code_line(res: dict[str, Any]) -> str:
 
 
 def _ways(w: dict[str, Any]) -> str:
-    """How a write ceiling was taken: the faster of plain writes and writes that start their
-    write-back as they go (older results: plain only)."""
+    """How a write ceiling was taken: the fastest of plain writes, writes that start their
+    write-back as they go and O_DIRECT writes (older results: fewer ways)."""
     ways = w.get("ways_gbps")
     if not ways or len(ways) < 2:
         return ""
-    return (f" (the faster median of: plain {ways['plain']:.2f}, write-back started every "
-            f"{w['writeback_bytes'] >> 20} MiB {ways['writeback']:.2f})")
+    names = {"plain": "plain", "writeback": f"write-back started every {w['writeback_bytes'] >> 20} MiB",
+             "O_DIRECT": "O_DIRECT"}
+    return " (the faster median of: " + ", ".join(f"{names.get(k, k)} {v:.2f}" for k, v in ways.items()) + ")"
 
 
 def _pieces(c: dict[str, Any]) -> str:
@@ -447,7 +451,7 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     ]
     if b1:
         out += ["", "### B1 sync save (wall time until committed, 2 ranks; GB/s = all ranks' state bytes / time; the methods "
-                "rotate, raw writes of the same bytes among them as the disk's ceiling at this moment: plain, and starting the write-back as they go, as fsdpkit's writer does)",
+                "rotate, raw writes of the same bytes among them as the disk's ceiling at this moment: plain, starting the write-back as they go, and O_DIRECT, the ways fsdpkit's writer writes)",
                 "| size GiB | method | median s | min–max (n) | durable GB/s | × disk, 2 streams (1 stream) | "
                 "time / dcp.save | time / fsdpkit |",
                 "|---|---|---|---|---|---|---|---|", *b1, *b1_notes]
@@ -504,7 +508,7 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "drain s | extra process CPU per rank (/ loop) | GIL/core wait s (vs none) | "
                 "fsdpkit per save: wall / CPU (medians) |",
                 "|---|---|---|---|---|---|---|---|---|---|---|", *b6,
-                "the loop ends when the last save call returned; drain = from then until that save is durable; "
+                "each async method is made once per phase and warmed by one untimed save (a training run makes its saver once; the staging buffer's one-time allocation is B2's first stall); the loop ends when the last save call returned; drain = from then until that save is durable; "
                 "extra CPU = the process CPU time (all threads) minus that of the runs without checkpoints: the "
                 "work the saves add, which competes with training when no core is free; GIL/core wait = how late "
                 "a Python thread of rank 0 that sleeps 5 ms at a time woke up, summed over the run (the time a "

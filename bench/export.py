@@ -56,13 +56,13 @@ import threading
 import time
 from pathlib import Path
 
+from fsdpkit.checkpoint.direct_io import pwrite_all
 from fsdpkit.checkpoint.page_cache import (
     WRITE_PIECE_BYTES,
     SequentialReader,
     reopen,
     write_in_pieces,
 )
-from fsdpkit.export.direct_io import pwrite_all
 from fsdpkit.export.tunables import READ_AHEAD, WRITE_THREADS
 
 RESULTS = Path(__file__).parent / "results" / "export.json"

@@ -1,4 +1,4 @@
-"""fsdpkit.export.direct_io: O_DIRECT reads and writes give the same bytes as ordinary I/O, at any
+"""fsdpkit.checkpoint.direct_io: O_DIRECT reads and writes give the same bytes as ordinary I/O, at any
 offset and length, and fall back to ordinary I/O where O_DIRECT is refused."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from fsdpkit.export import direct_io
-from fsdpkit.export.direct_io import ALIGN, DirectReader, DirectWriter, aligned_buffer
+from fsdpkit.checkpoint import direct_io
+from fsdpkit.checkpoint.direct_io import ALIGN, DirectReader, DirectWriter, aligned_buffer
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
@@ -34,7 +34,7 @@ def test_aligned_buffer_is_page_aligned():
 def test_writer_writes_every_byte_in_order(tmp_path, pieces):
     direct = _direct_supported(tmp_path)
     data = [_bytes(n, seed=i) for i, n in enumerate(pieces)]
-    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=16 * 1024)  # several flushes per piece
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=16 * 1024, writers=2)  # several flushes per piece
     assert (writer._direct is not None) == direct
     for d in data:
         writer.write(d)
@@ -85,7 +85,7 @@ def test_refused_direct_io_falls_back_to_ordinary_io(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "pwrite", refuse(real_pwrite))
     monkeypatch.setattr(os, "preadv", refuse(real_preadv))
     data = _bytes(3 * 16 * 1024 + 99, seed=3)
-    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=16 * 1024)
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=16 * 1024, writers=2)
     writer.write(data[:10])
     writer.write(data[10:])
     writer.close()
@@ -101,7 +101,7 @@ def test_refused_direct_io_falls_back_to_ordinary_io(tmp_path, monkeypatch):
 
 def test_switched_off_uses_ordinary_io(tmp_path, monkeypatch):
     monkeypatch.setattr(direct_io, "ENABLED", False)
-    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN)
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN, writers=2)
     assert writer._direct is None
     writer.write(_bytes(ALIGN + 1))
     writer.close()
@@ -110,7 +110,7 @@ def test_switched_off_uses_ordinary_io(tmp_path, monkeypatch):
 
 def test_abort_leaves_no_descriptor_open(tmp_path):
     before = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
-    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN)
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN, writers=2)
     writer.write(_bytes(100))
     writer.abort()
     if before is not None:
@@ -143,7 +143,7 @@ def test_a_failed_background_write_is_raised_to_the_caller(tmp_path, monkeypatch
     if not _direct_supported(tmp_path):
         pytest.skip("no O_DIRECT here: writes are inline")
     real_pwrite = os.pwrite
-    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN)
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN, writers=2)
     direct_fd = writer._direct
 
     def full_disk(fd, *args):

@@ -196,3 +196,127 @@ def test_native_row_hash_releases_the_gil():
         if inside:
             return
     pytest.fail(f"no other thread ran during a {1e3 * (t1 - t0):.0f} ms call: the GIL was held")
+
+
+def _takes_o_direct(folder) -> bool:
+    from fsdpkit.checkpoint import direct_io
+
+    fd = direct_io.open_direct(folder / "probe", os.O_WRONLY | os.O_CREAT)
+    if fd is None:
+        return False
+    os.close(fd)
+    os.unlink(folder / "probe")
+    return True
+
+
+def test_local_checkpoint_files_are_written_with_o_direct(tmp_path, monkeypatch):
+    """A local file goes through O_DIRECT in whole aligned blocks, only its last partial block
+    through the ordinary descriptor; `tell` counts what was written, `fileno` (DCP's fsync) first
+    writes what is staged, and bytes after it still land in order; the checksum is the file's."""
+    import xxhash
+
+    from fsdpkit.checkpoint import hashing
+    from fsdpkit.checkpoint.direct_io import ALIGN
+
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("this file system takes no O_DIRECT")
+    monkeypatch.setattr(hashing, "DIRECT_BUFFER_BYTES", 16 * ALIGN)  # many blocks per large write
+    calls: list[tuple[int, int]] = []
+    real_pwrite = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: calls.append((fd, len(memoryview(data).cast("B"))))
+                        or real_pwrite(fd, data, offset))
+    big = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8).numpy()
+    pieces = [b"PK\x03\x04 header", big[: (1 << 20) + 5], b"y" * 333, big, b"end"]
+    fs = hashing.HashingFileSystem()
+    path = tmp_path / "__0_0.distcp"
+    with fs.create_stream(path, "wb") as stream:
+        direct_fd = stream._direct._direct
+        written = 0
+        for piece in pieces[:-1]:
+            assert stream.write(piece) == len(piece)
+            written += len(piece)
+            assert stream.tell() == written
+        fd = stream.fileno()
+        os.fsync(fd)
+        stream.write(pieces[-1])  # after the fsync: through the ordinary descriptor
+    data = path.read_bytes()
+    expected = b"".join(bytes(p) for p in pieces)
+    assert data == expected
+    assert fs.files["__0_0.distcp"] == {"size": len(expected), "xxh3_64": xxhash.xxh3_64(expected).hexdigest()}
+    before_fileno = len(expected) - len(pieces[-1])
+    assert sum(n for f, n in calls if f == direct_fd) == before_fileno - before_fileno % ALIGN
+    assert sum(n for f, n in calls if f != direct_fd) == before_fileno % ALIGN + len(pieces[-1])
+
+
+def test_dcp_save_with_o_direct_writes_the_same_files_as_through_the_page_cache(tmp_path, monkeypatch):
+    """The same state saved by DCP through fsdpkit's writer with and without O_DIRECT: byte-identical
+    files and checksums, and the O_DIRECT checkpoint loads back to the same tensors."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdpkit.checkpoint import direct_io, hashing
+    from fsdpkit.checkpoint.dcp_storage import hashing_writer, safe_reader
+
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("this file system takes no O_DIRECT")
+    monkeypatch.setattr(hashing, "DIRECT_BUFFER_BYTES", 8 * direct_io.ALIGN)
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1000, 257, generator=g), "b": torch.randn(3, generator=g),
+             "h": torch.randn(40, 40, generator=g).to(torch.bfloat16), "n": torch.tensor(7)}
+    used: list[bool] = []
+    real_init = hashing._HashingStream.__init__
+
+    def spy(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        used.append(self._direct is not None)
+
+    monkeypatch.setattr(hashing._HashingStream, "__init__", spy)
+    files = {}
+    for way, enabled in (("direct", True), ("page_cache", False)):
+        monkeypatch.setattr(direct_io, "ENABLED", enabled)
+        writer, fs = hashing_writer(tmp_path / way, thread_count=2)
+        dcp.save(state, storage_writer=writer, no_dist=True)
+        files[way] = fs.files
+    assert used == [True] * 3 + [False] * 3  # 2 data files and .metadata per save
+    data_files = [name for name in files["direct"] if name.endswith(".distcp")]  # .metadata names its directory
+    assert len(data_files) == 2
+    assert {n: files["direct"][n] for n in data_files} == {n: files["page_cache"][n] for n in data_files}
+    for name in data_files:
+        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "page_cache" / name).read_bytes()
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=safe_reader(tmp_path / "direct"), no_dist=True)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+def test_a_failed_o_direct_write_fails_the_save_and_records_no_checksum(tmp_path, monkeypatch):
+    """A full disk under an O_DIRECT write (on a writer thread) is raised to DCP's save, and the
+    file gets no checksum."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from fsdpkit.checkpoint import direct_io, hashing
+    from fsdpkit.checkpoint.dcp_storage import hashing_writer
+
+    if not _takes_o_direct(tmp_path):
+        pytest.skip("this file system takes no O_DIRECT")
+    monkeypatch.setattr(hashing, "DIRECT_BUFFER_BYTES", 8 * direct_io.ALIGN)
+    direct_fds: set[int] = set()
+    real_open_direct, real_pwrite = direct_io.open_direct, os.pwrite
+
+    def open_direct(path, flags):
+        fd = real_open_direct(path, flags)
+        direct_fds.add(fd)
+        return fd
+
+    def pwrite(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(direct_io, "open_direct", open_direct)
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    writer, fs = hashing_writer(tmp_path / "ckpt", thread_count=1)
+    with pytest.raises(CheckpointException, match=r"No space left on device\n.*__0_0.distcp"):
+        dcp.save({"w": torch.randn(512, 512)}, storage_writer=writer, no_dist=True)
+    assert "__0_0.distcp" not in fs.files

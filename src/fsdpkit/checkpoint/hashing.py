@@ -1,8 +1,10 @@
 """Checksums: of files, computed while DCP writes them; of tensors, independent of sharding.
 
 File checksums are xxh3-64 over every byte written, recorded by a stream wrapper installed in
-DCP's FileSystemWriter, so no second read is needed. The same wrapper starts each local file's
-write-back to disk as it goes (WRITEBACK_BYTES), so that the fsync at the end waits for little.
+DCP's FileSystemWriter, so no second read is needed. The same wrapper writes each local file with
+O_DIRECT from reused buffers (direct_io.DirectWriter: no page-cache copy, and the disk writes while
+the rest is serialised); where O_DIRECT is off or refused, it writes through the page cache and
+starts the write-back as it goes (WRITEBACK_BYTES), so that the fsync at the end waits for little.
 
 Tensor checksums must come out the same for any world size, since a checkpoint saved on 4 ranks
 is verified after loading on 3. FSDP2 shards dim 0, so each row lives whole on one rank; a sum
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fsdpkit.checkpoint.direct_io import DirectWriter
 from fsdpkit.checkpoint.page_cache import SequentialReader, write_in_pieces
 from fsdpkit.checkpoint.writeback import WriteBack
 
@@ -52,6 +55,10 @@ WRITEBACK_BYTES = int(os.environ.get("FSDPKIT_WRITEBACK_BYTES", str(64 << 20)))
 writes while the rest is serialised: 2 ranks saving 1 GiB took 0.67 s instead of 0.82 s (a raw
 write of the same bytes: 0.61 s instead of 0.70 s; medians of 8 in one process, alternating, 2-core
 VM; bench/RESULTS.md B1 has a full run's figures)."""
+DIRECT_BUFFER_BYTES = int(os.environ.get("FSDPKIT_DIRECT_WRITE_BUFFER_BYTES", str(8 << 20)))
+"""A local checkpoint file is written with O_DIRECT in blocks of this size, DIRECT_WRITERS at once
+while the next is filled (3 such buffers per file being written, kept for the next save)."""
+DIRECT_WRITERS = 2
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 try:  # built by `pip install` where a C compiler is found (setup.py); optional
@@ -82,30 +89,66 @@ class _HashingStream(io.RawIOBase):
     `write` returns only when both are done: the caller (torch.save) may free or reuse the buffer
     as soon as it returns, so the hash never reads it later.
 
-    Bytes reach `raw` in pieces of page_cache.WRITE_PIECE_BYTES at most. Where `raw` has a
+    A write that fails (a full disk) is raised at `fileno()` or `close()`, and the writes after it
+    are dropped: raised from inside torch.save, the error would surface as torch's "unexpected
+    pos" instead of itself.
+
+    `raw` is a new file, written from its start. Where it is local (`path` given, `raw` has a
+    descriptor) and takes O_DIRECT, the bytes go to it through a DirectWriter; `fileno()`, which
+    DCP calls to fsync the file after its last item, first writes what is staged. Otherwise they
+    reach `raw` in pieces of page_cache.WRITE_PIECE_BYTES at most, and where `raw` has a
     descriptor, the write-back of every WRITEBACK_BYTES written is started as the writing goes on
-    (a new file, written from its start: the offsets are the byte counts)."""
+    (the offsets are the byte counts)."""
 
     OVERLAP_BYTES = 1 << 20
 
-    def __init__(self, raw, on_close):
+    def __init__(self, raw, on_close, path: Path | None = None):
         super().__init__()
         self._raw, self._on_close, self._hash, self._size = raw, on_close, xxhash.xxh3_64(), 0
-        self._writeback = WriteBack(_descriptor(raw), WRITEBACK_BYTES)
+        self._path, self._error = path, None
+        fd = _descriptor(raw)
+        self._direct = (DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS, fd=fd)
+                        if path is not None and fd is not None else None)
+        if self._direct is not None and not self._direct.direct:  # O_DIRECT off or refused here
+            self._direct.abort()
+            self._direct = None
+        self._writeback = WriteBack(fd if self._direct is None else None, WRITEBACK_BYTES)
 
     def writable(self) -> bool:
         return True
 
+    def _write_raw(self, data: memoryview) -> int:
+        if self._direct is not None:
+            self._direct.write(data)
+            return len(data)
+        return write_in_pieces(self._raw.write, data)
+
     def write(self, b) -> int:
         data = memoryview(b).cast("B")  # count and hash bytes, whatever the buffer's item format
+        if self._error is not None:
+            return len(data)
+        try:
+            return self._write(data)
+        except OSError as exc:
+            exc.add_note(f"fsdpkit: while writing checkpoint file {self._path or self._raw}")
+            self._error = exc
+            return len(data)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            if self._direct is not None:
+                self._direct.abort()
+            raise self._error
+
+    def _write(self, data: memoryview) -> int:
         if len(data) < self.OVERLAP_BYTES:
-            n = write_in_pieces(self._raw.write, data)
+            n = self._write_raw(data)
             self._hash.update(data[:n])
         else:
             before = self._hash.copy()
             hashed = _hash_pool().submit(self._hash.update, data)
             try:
-                n = write_in_pieces(self._raw.write, data)
+                n = self._write_raw(data)
             finally:
                 hashed.result()
             if n != len(data):  # a short write: hash what reached the file, not what was offered
@@ -116,9 +159,12 @@ class _HashingStream(io.RawIOBase):
         return n
 
     def tell(self) -> int:
-        return self._raw.tell()
+        return self._size if self._direct is not None else self._raw.tell()
 
     def fileno(self) -> int:
+        self._raise_error()
+        if self._direct is not None:  # the caller is about to fsync: every byte goes to the file first
+            self._direct.finish()
         return self._raw.fileno()
 
     def flush(self) -> None:
@@ -126,7 +172,16 @@ class _HashingStream(io.RawIOBase):
 
     def close(self) -> None:
         if not self.closed:
+            self._raise_error()
+            if self._direct is not None:
+                self._direct.close(fsync=False)  # DCP fsyncs through fileno() (sync_files)
             self._on_close(self._size, self._hash.hexdigest())
+        super().close()
+
+    def abort(self) -> None:
+        """Close after a failure: nothing staged is written, no checksum recorded."""
+        if self._direct is not None:
+            self._direct.abort()
         super().close()
 
 
@@ -191,11 +246,13 @@ class HashingFileSystem(FileSystemBase):
                 raw.write(b"partial")
                 raw.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-            stream = _HashingStream(raw, record)
+            stream = _HashingStream(raw, record, Path(path) if isinstance(self.base, FileSystem) else None)
             try:
                 yield stream
-            finally:
-                stream.close()
+            except BaseException:
+                stream.abort()
+                raise
+            stream.close()
 
 
 _crc_lock = threading.Lock()

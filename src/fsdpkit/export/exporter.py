@@ -2,7 +2,7 @@
 
 Tensors are read a block of rows at a time (`tunables.BLOCK_BYTES`), converted to the output
 dtype and appended to the output file, with the next `tunables.READ_AHEAD` blocks read on as many
-threads while the current one is written (local files with O_DIRECT: fsdpkit.export.direct_io).
+threads while the current one is written (local files with O_DIRECT: fsdpkit.checkpoint.direct_io).
 Peak memory is a few blocks whatever the model size. The output is
 written under a temporary name beside the target and renamed into place when complete (files
 fsynced first), so a reader never sees half an export.

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from fsdpkit.checkpoint.direct_io import DirectReader
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest import read_manifest
@@ -33,14 +34,13 @@ from fsdpkit.checkpoint.safe_io import (
 )
 from fsdpkit.checkpoint.storage import RemotePath, open_storage
 from fsdpkit.checkpoint.torch_save import FileWindow, TensorPayload, locate_tensor
-from fsdpkit.export.direct_io import DirectReader
 from fsdpkit.export.locate import (
     is_uncommitted_fsdpkit_dir,
     locate_checkpoint,
     not_committed_message,
 )
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
-from fsdpkit.export.tunables import BLOCK_BYTES
+from fsdpkit.export.tunables import BLOCK_BYTES, DIRECT_IO
 
 FULL_MODEL_FILE = "model.safetensors"  # what strategy.state_dict_type=full writes (checkpoint/full.py)
 
@@ -176,11 +176,11 @@ class DcpSource:
         self._tensors = {k: TensorInfo(tuple(md.size), md.properties.dtype)
                          for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
         self._files: dict[str, Any] = {}
-        self._readers: dict[str, DirectReader] = {}  # local files: O_DIRECT reads (fsdpkit.export.direct_io)
+        self._readers: dict[str, DirectReader] = {}  # local files: O_DIRECT reads (fsdpkit.checkpoint.direct_io)
         # An O_DIRECT reader holds a second descriptor per file: only where every file's two fit
         # well within the open-file limit (a checkpoint of thousands of ranks reads through one).
         files = {info.relative_path for info in self.metadata.storage_data.values()}
-        self._direct = 2 * len(files) + 256 <= _open_file_limit()
+        self._direct = DIRECT_IO and 2 * len(files) + 256 <= _open_file_limit()
         self._payloads: dict[tuple[str, tuple[int, ...]], TensorPayload] = {}
         self._whole: tuple[str, torch.Tensor] | None = None  # the last tensor assembled whole
         # read_rows may run on several threads: data is read with pread (no shared file position),

@@ -20,8 +20,12 @@ WRITE_THREADS = int(os.environ.get("FSDPKIT_EXPORT_WRITE_THREADS", "2"))
 """O_DIRECT blocks of an output file written at once, on as many threads, while the next is filled
 (an O_DIRECT write returns only once the device has the bytes)."""
 
+DIRECT_IO = os.environ.get("FSDPKIT_EXPORT_DIRECT_IO", "1") != "0"
+"""Export reads and writes with O_DIRECT where the file system takes it (fsdpkit.checkpoint.direct_io;
+FSDPKIT_DIRECT_IO=0 turns it off for checkpoint writes too)."""
+
 FLUSH_BYTES = int(os.environ.get("FSDPKIT_EXPORT_FLUSH_BYTES", str(128 << 20)))
-"""Writes through the page cache only (where O_DIRECT is off or refused, fsdpkit.export.direct_io):
+"""Writes through the page cache only (where O_DIRECT is off or refused, fsdpkit.checkpoint.direct_io):
 start the disk write-back of an output file every this many bytes (posix_fadvise DONTNEED, which
 does not wait), so that flushing overlaps reading instead of all happening in the final fsync;
 0 leaves it all to the final fsync."""

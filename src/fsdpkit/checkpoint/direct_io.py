@@ -1,17 +1,22 @@
-"""Reads and writes that bypass the page cache (O_DIRECT), for export's one-pass streams.
+"""Reads and writes that bypass the page cache (O_DIRECT): checkpoint files as a save writes them,
+and export's one-pass streams.
 
-Export reads every checkpoint byte once and writes every output byte once: the page cache only
-costs it. Through the cache, the kernel copies each byte twice and later reclaims the pages, and on
-a small machine that kernel CPU is the bottleneck (2-core VM, 2 GiB: `dd` copies in 9.4 s buffered,
-8.8 s of it kernel CPU, and in 1.7-3.5 s with O_DIRECT, 0.2 s of kernel CPU). O_DIRECT moves bytes between
-the device and our buffers directly, but offsets, lengths and buffer addresses must be multiples of
-the device's block size: reads go through a page-aligned bounce buffer, writes through a page-aligned
-staging buffer, and the last partial block of a file is written through an ordinary descriptor.
+A checkpoint save writes every byte once and nobody reads it back soon; an export reads every
+checkpoint byte once and writes every output byte once. The page cache only costs them: the kernel
+copies each byte into fresh page-cache pages and later reclaims them, and on a VM that hands free
+memory back to its host every fresh page also costs a host fault (fsdpkit.checkpoint.page_cache).
+Two processes each writing 512 MiB and fsyncing it took 0.42-1.5 s through the page cache (0.9 s of
+kernel CPU each) and 0.39-0.49 s with O_DIRECT from reused buffers (0.1 s of CPU) on the 2-core
+benchmark VM; a 2 GiB `dd` copy took 9.4 s buffered, 8.8 s of it kernel CPU, and 1.7-3.5 s with
+O_DIRECT. O_DIRECT moves bytes between the device and our buffers directly, but offsets, lengths and
+buffer addresses must be multiples of the device's block size: reads go through a page-aligned
+bounce buffer, writes through page-aligned staging buffers (kept for reuse: `_BufferPool`), and the
+last partial block of a file is written through an ordinary descriptor.
 
 Where O_DIRECT is missing (macOS, tmpfs, some network file systems) or refused at the first read or
 write, the same calls fall back to ordinary I/O, in the pieces fsdpkit.checkpoint.page_cache
-describes (reads through a descriptor of their own, writes in 256 KiB calls: 2 GiB exported in
-2.3-3.5 s instead of 3.5-5.4 s on the benchmark VM). FSDPKIT_EXPORT_DIRECT_IO=0 turns O_DIRECT off.
+describes (reads through a descriptor of their own, writes in 256 KiB calls). FSDPKIT_DIRECT_IO=0
+turns O_DIRECT off everywhere (FSDPKIT_EXPORT_DIRECT_IO=0 for export only).
 """
 
 from __future__ import annotations
@@ -24,18 +29,18 @@ import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from fsdpkit.checkpoint import page_cache
 from fsdpkit.checkpoint.page_cache import reopen
 from fsdpkit.checkpoint.writeback import WriteBack
-from fsdpkit.export.tunables import WRITE_THREADS
 
 ALIGN = 4096
 """Offsets, lengths and buffers of O_DIRECT I/O are multiples of this (the page size; every common
 device's logical block size divides it)."""
 
-ENABLED = hasattr(os, "O_DIRECT") and os.environ.get("FSDPKIT_EXPORT_DIRECT_IO", "1") != "0"
+ENABLED = hasattr(os, "O_DIRECT") and os.environ.get("FSDPKIT_DIRECT_IO", "1") != "0"
 
 
 def _round_up(n: int) -> int:
@@ -45,6 +50,35 @@ def _round_up(n: int) -> int:
 def aligned_buffer(nbytes: int) -> torch.Tensor:
     """A page-aligned uint8 tensor of at least `nbytes` (anonymous mmap memory)."""
     return torch.frombuffer(mmap.mmap(-1, max(ALIGN, _round_up(nbytes))), dtype=torch.uint8)
+
+
+class _BufferPool:
+    """Page-aligned write buffers kept for the next file instead of freed: fresh anonymous memory
+    costs a page fault per page (a host fault on the benchmark VM), reused memory costs nothing.
+    Keeps `keep_bytes` at most; a buffer given back beyond that is freed."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self._keep = keep_bytes
+        self._kept: list[torch.Tensor] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        nbytes = max(ALIGN, _round_up(nbytes))
+        with self._lock:
+            for i, buf in enumerate(self._kept):
+                if buf.numel() == nbytes:
+                    return self._kept.pop(i)
+        return aligned_buffer(nbytes)
+
+    def give(self, buf: torch.Tensor) -> None:
+        with self._lock:
+            if sum(b.numel() for b in self._kept) + buf.numel() <= self._keep:
+                self._kept.append(buf)
+
+
+BUFFERS = _BufferPool(int(os.environ.get("FSDPKIT_DIRECT_KEEP_BYTES", str(64 << 20))))
+"""The process's O_DIRECT write buffers between files (FSDPKIT_DIRECT_KEEP_BYTES, default 64 MiB
+at most stay allocated)."""
 
 
 def open_direct(path: os.PathLike | str, flags: int) -> int | None:
@@ -127,24 +161,32 @@ class DirectReader:
 
 
 class DirectWriter:
-    """Appends bytes to a new file: whole aligned blocks with O_DIRECT from staging buffers, written
-    by `writers` threads while the caller fills the next buffer (an O_DIRECT write returns only once
-    the device has the bytes: written inline, it would stall the caller for every block), the last
-    partial block through an ordinary descriptor. `close()` waits for the writes and fsyncs.
-    Without O_DIRECT, the disk write-back of ordinary writes is started every `flush_bytes` (0: all
-    in the final fsync)."""
+    """Appends bytes to a file from its start: whole aligned blocks with O_DIRECT from staging
+    buffers, written by `writers` threads while the caller fills the next buffer (an O_DIRECT write
+    returns only once the device has the bytes: written inline, it would stall the caller for every
+    block), the last partial block through an ordinary descriptor. `finish()` writes what is staged
+    and waits for the writes (later bytes go through the ordinary descriptor); `close()` finishes,
+    fsyncs and closes. Without O_DIRECT (or not `direct`), ordinary writes, whose disk write-back is
+    started every `flush_bytes` (0: all in the final fsync).
 
-    def __init__(self, path: os.PathLike | str, *, buffer_bytes: int, flush_bytes: int = 0, writers: int = WRITE_THREADS) -> None:
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._direct = open_direct(path, os.O_WRONLY)
+    The file is `path`, created (or truncated) here, unless `fd` is given: an ordinary descriptor
+    the caller opened on `path` for writing, an empty file, which the caller keeps and closes."""
+
+    def __init__(self, path: os.PathLike | str, *, buffer_bytes: int, writers: int, flush_bytes: int = 0,
+                 direct: bool = True, fd: int | None = None) -> None:
+        self._owns_fd = fd is None
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if fd is None else fd
+        self._direct = _open_same(path, self._fd) if direct else None
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._pending: deque[Future] = deque()
         self._pool: ThreadPoolExecutor | None = None
         self._buffer: torch.Tensor | None = None
+        self._buffers: list[torch.Tensor] = []  # every staging buffer, given back to BUFFERS at the end
         if self._direct is not None:
-            for _ in range(writers + 1):  # one filled by the caller while `writers` are written
-                self._free.put(aligned_buffer(buffer_bytes))
-            self._buffer = self._free.get()
+            self._buffers = [BUFFERS.take(buffer_bytes) for _ in range(writers + 1)]  # one filled while `writers` are written
+            for buf in self._buffers[1:]:
+                self._free.put(buf)
+            self._buffer = self._buffers[0]
             self._pool = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="fsdpkit-direct-write")
         self._refused = False  # O_DIRECT refused on the way: the blocks after it are written ordinarily
         self._filled = 0  # bytes staged in the buffer, which starts at file offset self._position
@@ -152,16 +194,22 @@ class DirectWriter:
         self._writeback = WriteBack(self._fd, flush_bytes)  # ordinary writes
         self.written = 0  # bytes handed to write()
 
-    def write(self, data: torch.Tensor) -> None:
-        """Append a contiguous uint8 tensor's bytes."""
-        self.written += data.numel()
-        if self._buffer is None:  # no O_DIRECT here
-            self._write_ordinary(data.numpy())
+    @property
+    def direct(self) -> bool:
+        """Whether bytes still go through O_DIRECT (not after `finish`, nor where it is off)."""
+        return self._buffer is not None
+
+    def write(self, data: torch.Tensor | memoryview | bytes) -> None:
+        """Append the bytes of a contiguous uint8 tensor or of a bytes-like object."""
+        src = data.numpy() if isinstance(data, torch.Tensor) else np.frombuffer(data, dtype=np.uint8)
+        self.written += src.size
+        if self._buffer is None:  # no O_DIRECT here, or finished
+            self._write_ordinary(src)
             return
         done = 0
-        while done < data.numel():
-            n = min(data.numel() - done, self._buffer.numel() - self._filled)
-            self._buffer[self._filled : self._filled + n].copy_(data[done : done + n])
+        while done < src.size:
+            n = min(src.size - done, self._buffer.numel() - self._filled)
+            np.copyto(self._buffer.numpy()[self._filled : self._filled + n], src[done : done + n])  # releases the GIL
             self._filled += n
             done += n
             if self._filled == self._buffer.numel():
@@ -199,33 +247,61 @@ class DirectWriter:
         self._position += len(view)
         self._writeback.written_to(self._position)  # the final fsync then has little left to do
 
-    def close(self) -> None:
-        """Write what is staged, wait for every write, fsync and close."""
+    def finish(self) -> None:
+        """Write what is staged and wait for every write (raising the first write's error); bytes
+        written after this go through the ordinary descriptor."""
+        if self._buffer is None:
+            return
+        whole = self._filled - self._filled % ALIGN
+        tail = self._buffer[whole : self._filled].numpy().copy()
+        if whole:
+            self._submit(whole)
+        self._buffer = None
+        while self._pending:
+            self._pending.popleft().result()
+        if tail.size:
+            self._write_ordinary(tail)
+        self._release()
+
+    def close(self, *, fsync: bool = True) -> None:
+        """Finish, fsync (unless not `fsync`: the caller did) and close."""
         try:
-            if self._buffer is not None:
-                whole = self._filled - self._filled % ALIGN
-                tail = self._buffer[whole : self._filled].clone()
-                if whole:
-                    self._submit(whole)
-                while self._pending:
-                    self._pending.popleft().result()
-                if tail.numel():
-                    self._write_ordinary(tail.numpy())
-            os.fsync(self._fd)
+            self.finish()
+            if fsync:
+                os.fsync(self._fd)
         finally:
             self.abort()
 
     def abort(self) -> None:
         """Close without writing what is staged (the caller is failing and removes the file)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)  # no write may land after its file is closed
-            self._pool = None
-        for fd in (self._direct, self._fd):
+        self._buffer = None
+        self._release()
+        fds = (self._direct, self._fd) if self._owns_fd else (self._direct,)
+        for fd in fds:
             if fd is not None:
                 os.close(fd)
         self._direct = self._fd = None
-        self._buffer = None
+
+    def _release(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # no write may land after its file is closed or its buffer reused
+            self._pool = None
         self._pending.clear()
+        for buf in self._buffers:
+            BUFFERS.give(buf)
+        self._buffers = []
+
+
+def _open_same(path: os.PathLike | str, fd: int) -> int | None:
+    """An O_DIRECT write descriptor on the file `fd` is open on, found at `path` (None where
+    O_DIRECT is off or refused, or `path` now names another file)."""
+    direct = open_direct(path, os.O_WRONLY)
+    if direct is not None:
+        a, b = os.fstat(fd), os.fstat(direct)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            os.close(direct)
+            return None
+    return direct
 
 
 def pwrite_all(fd: int, view, offset: int, *, piece: int = 0) -> None:
