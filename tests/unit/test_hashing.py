@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -320,3 +321,52 @@ def test_a_failed_o_direct_write_fails_the_save_and_records_no_checksum(tmp_path
     with pytest.raises(CheckpointException, match=r"No space left on device\n.*__0_0.distcp"):
         dcp.save({"w": torch.randn(512, 512)}, storage_writer=writer, no_dist=True)
     assert "__0_0.distcp" not in fs.files
+
+
+def test_a_failed_write_through_the_page_cache_is_raised_at_fsync_with_the_file_name(tmp_path, monkeypatch):
+    """Where O_DIRECT is off, a write the file refuses (a full disk) is kept and raised when DCP
+    asks for the descriptor to fsync (not from inside torch.save, where it would come out as
+    torch's "unexpected pos"); the writes after it are dropped, the stream ends closed and the
+    file gets no checksum."""
+    import errno
+    import io
+
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    from fsdpkit.checkpoint import direct_io, hashing
+
+    monkeypatch.setattr(direct_io, "ENABLED", False)
+
+    class FullDisk(io.RawIOBase):
+        def __init__(self, f):
+            super().__init__()
+            self.f, self.taken = f, 0
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            if self.taken >= 600:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.taken += len(b)
+            return self.f.write(b)
+
+        def fileno(self):
+            return self.f.fileno()
+
+    class FullDiskFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path, mode):
+            with open(path, mode) as f:
+                yield FullDisk(f)
+
+    fs = hashing.HashingFileSystem(base=FullDiskFileSystem())
+    path = tmp_path / "__0_0.distcp"
+    with pytest.raises(OSError, match="No space left on device") as failure:
+        with fs.create_stream(path, "wb") as stream:
+            for _ in range(4):
+                assert stream.write(b"x" * 600) == 600  # the 2nd fails and is kept; the rest are dropped
+            os.fsync(stream.fileno())
+    assert any(str(path) in note for note in failure.value.__notes__)
+    assert stream.closed and fs.files == {}
+    assert path.read_bytes() == b"x" * 600

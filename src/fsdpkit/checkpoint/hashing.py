@@ -105,7 +105,7 @@ class _HashingStream(io.RawIOBase):
     def __init__(self, raw, on_close, path: Path | None = None):
         super().__init__()
         self._raw, self._on_close, self._hash, self._size = raw, on_close, xxhash.xxh3_64(), 0
-        self._path, self._error = path, None
+        self._path, self._error, self._abandoned = path, None, False
         fd = _descriptor(raw)
         self._direct = (DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS, fd=fd)
                         if path is not None and fd is not None else None)
@@ -168,20 +168,26 @@ class _HashingStream(io.RawIOBase):
         return self._raw.fileno()
 
     def flush(self) -> None:
-        self._raw.flush()
+        if self._error is None and not self._abandoned:  # after a failure, the file is abandoned
+            self._raw.flush()
 
     def close(self) -> None:
-        if not self.closed:
+        """Write what is staged and record size and checksum; raises a failed write's error."""
+        if self.closed:
+            return
+        try:
             self._raise_error()
             if self._direct is not None:
                 self._direct.close(fsync=False)  # DCP fsyncs through fileno() (sync_files)
             self._on_close(self._size, self._hash.hexdigest())
-        super().close()
+        finally:
+            super().close()
 
     def abort(self) -> None:
         """Close after a failure: nothing staged is written, no checksum recorded."""
         if self._direct is not None:
             self._direct.abort()
+        self._abandoned = True  # no flush of what the failure left
         super().close()
 
 
