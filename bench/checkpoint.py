@@ -30,8 +30,9 @@ Phases, per size (medians of --runs runs, methods rotated within each run so non
   fsdpkit `save_checkpoint` (meta built as Checkpointer._meta builds it), plain `dcp.save`
   (FileSystemWriter, sync_files=True) and rank-0 `torch.save` of the full state dict gathered by
   `get_state_dict(full_state_dict=True, cpu_offload=True)` + fsync, and, in the same rotation, the
-  disk's ceiling at that moment: every rank writes its own state bytes to a new file in 256 KiB
-  os.write calls and fsyncs it (the B1 "x disk" target uses it; the ceilings measured before the
+  disk's ceiling at that moment: every rank writes its own state bytes to a new file and fsyncs
+  it, in 256 KiB os.write calls (plain, and starting the write-back every 64 MiB) and with O_DIRECT
+  as fsdpkit writes (the B1 "x disk" target uses the fastest; the ceilings measured before the
   benchmarks are reported beside it). Durable GB/s = bytes of model and optimizer state over all
   ranks / that time.
 - B2 async stall: for fsdpkit `AsyncSaver.save` (blocking staging, and background staging, whose
