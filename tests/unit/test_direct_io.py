@@ -157,3 +157,22 @@ def test_a_failed_background_write_is_raised_to_the_caller(tmp_path, monkeypatch
             writer.write(_bytes(ALIGN))
         writer.close()
     writer.abort()
+
+
+def test_write_buffers_are_kept_for_the_next_file_up_to_the_bound(tmp_path, monkeypatch):
+    """The aligned buffers of a finished file serve the next one (fresh memory is what costs on a VM
+    that returns free pages to its host); no more than the pool's bound stays allocated."""
+    if not _direct_supported(tmp_path):
+        pytest.skip("no O_DIRECT here: no write buffers")
+    pool = direct_io._BufferPool(keep_bytes=3 * 16 * 1024)
+    monkeypatch.setattr(direct_io, "BUFFERS", pool)
+    seen = []
+    for i, writers in enumerate((2, 2, 4)):
+        writer = DirectWriter(tmp_path / f"out{i}.bin", buffer_bytes=16 * 1024, writers=writers)
+        seen.append({b.data_ptr() for b in writer._buffers})
+        writer.write(_bytes(100_000, seed=i))
+        writer.close()
+        assert (tmp_path / f"out{i}.bin").read_bytes() == _bytes(100_000, seed=i).numpy().tobytes()
+    assert seen[1] == seen[0]  # the second file wrote from the first one's buffers
+    assert seen[0] < seen[2] and len(seen[2]) == 5  # two more allocated for the wider writer
+    assert sum(b.numel() for b in pool._kept) == 3 * 16 * 1024  # of its five, three were kept
