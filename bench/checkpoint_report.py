@@ -73,13 +73,13 @@ def _b1(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, lines
     others = f"the ceilings measured before the benchmarks: {n} streams {disk:.2f}: {gbps / disk:.2f}, 1 stream {one:.2f}: {gbps / one:.2f}"
     raws = {name: total / t / 1e9 for name, t in med.items()
             if name == RAW_WRITE or name.startswith((RAW_WRITE_WB, RAW_WRITE_DIRECT))}
-    if raws:  # the ceilings timed in the same rotation as the saves: same ranks, bytes and moment; the faster counts
+    if raws:  # the ceilings timed in the same rotation as the saves: same ranks, bytes and moment; the fastest counts
         best = max(raws, key=raws.__getitem__)
         raw = raws[best]
         label = lambda k: "plain" if k == RAW_WRITE else "O_DIRECT" if k.startswith(RAW_WRITE_DIRECT) else "write-back as it goes"  # noqa: E731
         each = ", ".join(f"{label(k)} {v:.2f}" for k, v in raws.items())
         _target(targets, f"B1 fsdpkit sync durable GB/s / raw write+fsync GB/s of the same bytes ({n} ranks at once, "
-                "timed in the same rotation; the faster way)", size, gbps / raw, ">= 0.8", gbps / raw >= 0.8,
+                "timed in the same rotation; the fastest way)", size, gbps / raw, ">= 0.8", gbps / raw >= 0.8,
                 f"{gbps:.2f} / {raw:.2f} = {gbps / raw:.2f} (raw writes: {each}; {others})")
     else:
         _target(targets, f"B1 fsdpkit sync durable GB/s / disk write+fsync GB/s ({n} streams at once, as {n} ranks)",
@@ -361,7 +361,7 @@ def _ways(w: dict[str, Any]) -> str:
         return ""
     names = {"plain": "plain", "writeback": f"write-back started every {w['writeback_bytes'] >> 20} MiB",
              "O_DIRECT": "O_DIRECT"}
-    return " (the faster median of: " + ", ".join(f"{names.get(k, k)} {v:.2f}" for k, v in ways.items()) + ")"
+    return " (the fastest median of: " + ", ".join(f"{names.get(k, k)} {v:.2f}" for k, v in ways.items()) + ")"
 
 
 def _pieces(c: dict[str, Any]) -> str:
