@@ -65,3 +65,15 @@ def s3():
 
     with s3_server() as server:
         yield server
+
+
+def opens_o_direct(folder: Path) -> bool:
+    """Whether a new file in `folder` opens with O_DIRECT (fsdpkit's probe; the probe file is removed)."""
+    from fsdpkit.checkpoint import direct_io
+
+    fd = direct_io.open_direct(folder / "o_direct_probe", os.O_WRONLY | os.O_CREAT)
+    if fd is None:
+        return False
+    os.close(fd)
+    os.unlink(folder / "o_direct_probe")
+    return True

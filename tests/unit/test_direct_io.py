@@ -5,23 +5,20 @@ from __future__ import annotations
 
 import errno
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from fsdpkit.checkpoint import direct_io
-from fsdpkit.checkpoint.direct_io import ALIGN, DirectReader, DirectWriter, aligned_buffer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import opens_o_direct  # noqa: E402
+from fsdpkit.checkpoint import direct_io  # noqa: E402
+from fsdpkit.checkpoint.direct_io import ALIGN, DirectReader, DirectWriter, aligned_buffer  # noqa: E402
 
 
 def _bytes(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
-
-
-def _direct_supported(folder) -> bool:
-    fd = direct_io.open_direct(folder / "probe", os.O_WRONLY | os.O_CREAT)
-    if fd is not None:
-        os.close(fd)
-    return fd is not None
 
 
 def test_aligned_buffer_is_page_aligned():
@@ -32,7 +29,7 @@ def test_aligned_buffer_is_page_aligned():
 
 @pytest.mark.parametrize("pieces", [[1], [8, 4096 * 3 + 1, 17], [50_000, 200_000, 3], [4096, 4096]])
 def test_writer_writes_every_byte_in_order(tmp_path, pieces):
-    direct = _direct_supported(tmp_path)
+    direct = opens_o_direct(tmp_path)
     data = [_bytes(n, seed=i) for i, n in enumerate(pieces)]
     writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=16 * 1024, writers=2)  # several flushes per piece
     assert (writer._direct is not None) == direct
@@ -49,7 +46,7 @@ def test_reader_reads_any_range(tmp_path):
     path.write_bytes(payload.numpy().tobytes())
     with path.open("rb") as f:
         reader = DirectReader(path, f.fileno(), bounce_bytes=2 * ALIGN)  # ranges larger than the bounce: several reads
-        assert (reader._direct is not None) == _direct_supported(tmp_path)
+        assert (reader._direct is not None) == opens_o_direct(tmp_path)
         for offset, length in [(0, 1), (1, ALIGN), (ALIGN - 1, 3 * ALIGN + 2), (17, payload.numel() - 17), (0, payload.numel())]:
             out = torch.empty(length, dtype=torch.uint8)
             assert reader.pread_into(out, offset) == length
@@ -133,14 +130,14 @@ def test_dcp_source_reads_through_one_descriptor_per_file_near_the_open_file_lim
             assert torch.equal(source.read_rows(key, 5, 31), value[5:31])
         directs = [r._direct is not None for r in source._readers.values()]
         assert len(directs) == 2
-        assert directs == [limit > 2 * 2 + 256 and _direct_supported(tmp_path)] * 2
+        assert directs == [limit > 2 * 2 + 256 and opens_o_direct(tmp_path)] * 2
     finally:
         source.close()
 
 
 def test_a_failed_background_write_is_raised_to_the_caller(tmp_path, monkeypatch):
     """A write that fails on a writer thread (a full disk) fails the export: at a later write or at close."""
-    if not _direct_supported(tmp_path):
+    if not opens_o_direct(tmp_path):
         pytest.skip("no O_DIRECT here: writes are inline")
     real_pwrite = os.pwrite
     writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN, writers=2)
@@ -162,7 +159,7 @@ def test_a_failed_background_write_is_raised_to_the_caller(tmp_path, monkeypatch
 def test_write_buffers_are_kept_for_the_next_file_up_to_the_bound(tmp_path, monkeypatch):
     """The aligned buffers of a finished file serve the next one (fresh memory is what costs on a VM
     that returns free pages to its host); no more than the pool's bound stays allocated."""
-    if not _direct_supported(tmp_path):
+    if not opens_o_direct(tmp_path):
         pytest.skip("no O_DIRECT here: no write buffers")
     pool = direct_io._BufferPool(keep_bytes=3 * 16 * 1024)
     monkeypatch.setattr(direct_io, "BUFFERS", pool)

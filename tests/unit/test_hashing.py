@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import sys
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 
-from fsdpkit.checkpoint.hashing import LINEAR, ROWS, hash_part
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import opens_o_direct  # noqa: E402
+from fsdpkit.checkpoint.hashing import LINEAR, ROWS, hash_part  # noqa: E402
 
 
 def split_sum(t: torch.Tensor, cuts: list[int], algorithm: str) -> int:
@@ -199,17 +203,6 @@ def test_native_row_hash_releases_the_gil():
     pytest.fail(f"no other thread ran during a {1e3 * (t1 - t0):.0f} ms call: the GIL was held")
 
 
-def _takes_o_direct(folder) -> bool:
-    from fsdpkit.checkpoint import direct_io
-
-    fd = direct_io.open_direct(folder / "probe", os.O_WRONLY | os.O_CREAT)
-    if fd is None:
-        return False
-    os.close(fd)
-    os.unlink(folder / "probe")
-    return True
-
-
 def test_local_checkpoint_files_are_written_with_o_direct(tmp_path, monkeypatch):
     """A local file goes through O_DIRECT in whole aligned blocks, only its last partial block
     through the ordinary descriptor; `tell` counts what was written, `fileno` (DCP's fsync) first
@@ -219,7 +212,7 @@ def test_local_checkpoint_files_are_written_with_o_direct(tmp_path, monkeypatch)
     from fsdpkit.checkpoint import hashing
     from fsdpkit.checkpoint.direct_io import ALIGN
 
-    if not _takes_o_direct(tmp_path):
+    if not opens_o_direct(tmp_path):
         pytest.skip("this file system takes no O_DIRECT")
     monkeypatch.setattr(hashing, "DIRECT_BUFFER_BYTES", 16 * ALIGN)  # many blocks per large write
     calls: list[tuple[int, int]] = []
@@ -257,7 +250,7 @@ def test_dcp_save_with_o_direct_writes_the_same_files_as_through_the_page_cache(
     from fsdpkit.checkpoint import direct_io, hashing
     from fsdpkit.checkpoint.dcp_storage import hashing_writer, safe_reader
 
-    if not _takes_o_direct(tmp_path):
+    if not opens_o_direct(tmp_path):
         pytest.skip("this file system takes no O_DIRECT")
     monkeypatch.setattr(hashing, "DIRECT_BUFFER_BYTES", 8 * direct_io.ALIGN)
     g = torch.Generator().manual_seed(0)
@@ -299,7 +292,7 @@ def test_a_failed_o_direct_write_fails_the_save_and_records_no_checksum(tmp_path
     from fsdpkit.checkpoint import direct_io, hashing
     from fsdpkit.checkpoint.dcp_storage import hashing_writer
 
-    if not _takes_o_direct(tmp_path):
+    if not opens_o_direct(tmp_path):
         pytest.skip("this file system takes no O_DIRECT")
     monkeypatch.setattr(hashing, "DIRECT_BUFFER_BYTES", 8 * direct_io.ALIGN)
     direct_fds: set[int] = set()

@@ -10,8 +10,8 @@ storage, then into the target). At the same world size that covers every data fi
 rank needs only part of (a load at another world size: some of its items, or some rows of each),
 it reads just the rows its targets need, straight into them (DCP reads every item whole and copies
 it twice), unless the ranks of its host need at least half of it: then one of them reads it whole
-first and the others take their rows from the page cache. Files no rank read whole are hashed afterwards, split over ranks.
-`fsdpkit ckpt verify` keeps the separate, complete verification.
+first and the others take their rows from the page cache. Files no rank read whole are hashed
+afterwards, split over ranks. `fsdpkit ckpt verify` keeps the separate, complete verification.
 """
 
 from __future__ import annotations
