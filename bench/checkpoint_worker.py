@@ -453,6 +453,25 @@ def bench_b1(b: Bench, root: Path, runs: int) -> dict[str, Any]:
 
 
 # -- B2: async stall ---------------------------------------------------------------------------
+STATE_MEMCPY = "memcpy of the per-rank state (yardstick)"
+
+
+class StateCopy:
+    """B2's yardstick, timed in the same rotation as the saves: every rank copies its shards of the
+    model and optimizer state (torch copy_, one thread, as the ranks run) into tensors of the same
+    shapes allocated and touched beforehand, all ranks at once as they stage at once."""
+
+    def __init__(self, b: Bench) -> None:
+        self.src = local_tensors(b, with_steps=True)
+        self.dst = [torch.empty_like(t) for t in self.src]
+        self()  # touch the pages once, as a reused staging buffer's are
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        for d, s in zip(self.dst, self.src, strict=True):
+            d.copy_(s)
+
+
 def one_async_save(b: Bench, method: AsyncMethod, root: Path, step: FixedStep, n_during: int) -> dict[str, Any]:
     base = [timed(step, b.sync_group)[1] for _ in range(N_BASE_STEPS)]
     tdist.barrier(group=b.sync_group)
@@ -487,11 +506,19 @@ def bench_b2(b: Bench, root: Path, runs: int, *, sync_s: float, step: FixedStep)
     methods = {k: AsyncMethod(b, k) for k in ASYNC_KINDS}
     first = {k: one_async_save(b, methods[k], root / "b2_first", step, n_during) for k in FIRST_REPORTED}
     per_run: dict[str, list[dict[str, Any]]] = {k: [] for k in ASYNC_KINDS}
+    copy_state = StateCopy(b)
+    memcpy: list[float] = []
     for r in range(runs):
-        for k in ASYNC_KINDS[r % len(ASYNC_KINDS):] + ASYNC_KINDS[: r % len(ASYNC_KINDS)]:
+        kinds = (*ASYNC_KINDS, STATE_MEMCPY)
+        for k in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
+            if k == STATE_MEMCPY:
+                memcpy.append(timed(copy_state, b.sync_group)[1])
+                continue
             per_run[k].append(one_async_save(b, methods[k], root / f"b2_{r}", step, n_during))
         log(f"B2 run {r + 1}/{runs}: stall " + ", ".join(f"{k} {per_run[k][-1]['stall_s'] * 1e3:.0f} ms"
-                                                          for k in ASYNC_KINDS))
+                                                          for k in ASYNC_KINDS)
+            + f"; {STATE_MEMCPY} {memcpy[-1] * 1e3:.0f} ms")
+    del copy_state
     for m in methods.values():
         m.close()
     summary = {}
@@ -507,6 +534,7 @@ def bench_b2(b: Bench, root: Path, runs: int, *, sync_s: float, step: FixedStep)
                       "step_slowdown": med(flight) / med(base) if flight and base else None}
     return {"fixed_step_s": step_s, "steps_per_save": n_during, "n_base_steps": N_BASE_STEPS,
             "fsdpkit_capture_median_s": max_over_ranks(med(capture), b.sync_group),
+            "state_memcpy_s": memcpy, "state_memcpy_median_s": med(memcpy),
             "summary": summary, "first": first, "runs": per_run}
 
 
