@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import opens_o_direct  # noqa: E402
@@ -28,16 +29,26 @@ def test_aligned_buffer_is_page_aligned():
 
 
 @pytest.mark.parametrize("pieces", [[1], [8, 4096 * 3 + 1, 17], [50_000, 200_000, 3], [4096, 4096]])
-def test_writer_writes_every_byte_in_order(tmp_path, pieces):
+def test_writer_writes_every_byte_in_order(tmp_path, pieces, monkeypatch):
+    """Every byte in order, and the digest fed while staging is the file's, also for bytes written
+    after `finish()` (through the ordinary descriptor)."""
     direct = opens_o_direct(tmp_path)
+    monkeypatch.setattr(DirectWriter, "DIGEST_PIECE_BYTES", 5000)  # pieces straddle the buffer's ends
     data = [_bytes(n, seed=i) for i, n in enumerate(pieces)]
-    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=16 * 1024, writers=2)  # several flushes per piece
+    digest = xxhash.xxh3_64()
+    writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=16 * 1024, writers=2,  # several flushes per piece
+                          digest=digest)
     assert (writer._direct is not None) == direct
     for d in data:
         writer.write(d)
+    writer.finish()
+    after = _bytes(7000, seed=99)
+    writer.write(after)
     writer.close()
-    assert (tmp_path / "out.bin").read_bytes() == b"".join(d.numpy().tobytes() for d in data)
-    assert writer.written == sum(pieces)
+    content = (tmp_path / "out.bin").read_bytes()
+    assert content == b"".join(d.numpy().tobytes() for d in [*data, after])
+    assert writer.written == sum(pieces) + after.numel()
+    assert digest.hexdigest() == xxhash.xxh3_64(content).hexdigest()
 
 
 def test_reader_reads_any_range(tmp_path):

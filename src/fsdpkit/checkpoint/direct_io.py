@@ -170,10 +170,17 @@ class DirectWriter:
     started every `flush_bytes` (0: all in the final fsync).
 
     The file is `path`, created (or truncated) here, unless `fd` is given: an ordinary descriptor
-    the caller opened on `path` for writing, an empty file, which the caller keeps and closes."""
+    the caller opened on `path` for writing, an empty file, which the caller keeps and closes.
+
+    `digest` (e.g. an xxhash object), if given, is updated with every byte written, in order: from
+    the staging buffer right after each piece of at most DIGEST_PIECE_BYTES is copied in, while the
+    piece is still in the CPU's cache, so that hashing adds no second read of the caller's memory."""
+
+    DIGEST_PIECE_BYTES = 1 << 20
 
     def __init__(self, path: os.PathLike | str, *, buffer_bytes: int, writers: int, flush_bytes: int = 0,
-                 direct: bool = True, fd: int | None = None) -> None:
+                 direct: bool = True, fd: int | None = None, digest=None) -> None:
+        self._digest = digest
         self._owns_fd = fd is None
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if fd is None else fd
         self._direct = _open_same(path, self._fd) if direct else None
@@ -204,12 +211,18 @@ class DirectWriter:
         src = data.numpy() if isinstance(data, torch.Tensor) else np.frombuffer(data, dtype=np.uint8)
         self.written += src.size
         if self._buffer is None:  # no O_DIRECT here, or finished
+            if self._digest is not None:
+                self._digest.update(src)
             self._write_ordinary(src)
             return
+        piece = self.DIGEST_PIECE_BYTES if self._digest is not None else src.size
         done = 0
         while done < src.size:
-            n = min(src.size - done, self._buffer.numel() - self._filled)
-            np.copyto(self._buffer.numpy()[self._filled : self._filled + n], src[done : done + n])  # releases the GIL
+            n = min(src.size - done, self._buffer.numel() - self._filled, piece)
+            staged = self._buffer.numpy()[self._filled : self._filled + n]
+            np.copyto(staged, src[done : done + n])  # releases the GIL, as xxhash does
+            if self._digest is not None:
+                self._digest.update(staged)
             self._filled += n
             done += n
             if self._filled == self._buffer.numel():

@@ -85,9 +85,12 @@ def _hash_pool() -> ThreadPoolExecutor:
 class _HashingStream(io.RawIOBase):
     """Passes writes through to `raw` and hashes them; reports (size, digest) on close.
 
-    A write of OVERLAP_BYTES or more is hashed on another thread while this one writes it, and
-    `write` returns only when both are done: the caller (torch.save) may free or reuse the buffer
-    as soon as it returns, so the hash never reads it later.
+    Through a DirectWriter (below), each piece is hashed from the O_DIRECT staging buffer right
+    after it is copied there, while still in the CPU's cache (one read of torch.save's memory
+    instead of two: 33 ms of CPU per 512 MiB instead of 47-53 in a micro-benchmark on the
+    2-core VM). Otherwise a write of OVERLAP_BYTES or more is hashed on another thread while this
+    one writes it. Either way `write` returns only when the bytes are hashed: the caller
+    (torch.save) may free or reuse the buffer as soon as it returns, so the hash never reads it later.
 
     A write that fails (a full disk) is raised at `fileno()` or `close()`, and the writes after it
     are dropped: raised from inside torch.save, the error would surface as torch's "unexpected
@@ -107,7 +110,8 @@ class _HashingStream(io.RawIOBase):
         self._raw, self._on_close, self._hash, self._size = raw, on_close, xxhash.xxh3_64(), 0
         self._path, self._error, self._abandoned = path, None, False
         fd = _descriptor(raw)
-        self._direct = (DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS, fd=fd)
+        self._direct = (DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS, fd=fd,
+                                     digest=self._hash)
                         if path is not None and fd is not None else None)
         if self._direct is not None and not self._direct.direct:  # O_DIRECT off or refused here
             self._direct.abort()
@@ -116,12 +120,6 @@ class _HashingStream(io.RawIOBase):
 
     def writable(self) -> bool:
         return True
-
-    def _write_raw(self, data: memoryview) -> int:
-        if self._direct is not None:
-            self._direct.write(data)
-            return len(data)
-        return write_in_pieces(self._raw.write, data)
 
     def write(self, b) -> int:
         data = memoryview(b).cast("B")  # count and hash bytes, whatever the buffer's item format
@@ -141,14 +139,17 @@ class _HashingStream(io.RawIOBase):
             raise self._error
 
     def _write(self, data: memoryview) -> int:
-        if len(data) < self.OVERLAP_BYTES:
-            n = self._write_raw(data)
+        if self._direct is not None:  # it hashes each piece as it stages it
+            self._direct.write(data)
+            n = len(data)
+        elif len(data) < self.OVERLAP_BYTES:
+            n = write_in_pieces(self._raw.write, data)
             self._hash.update(data[:n])
         else:
             before = self._hash.copy()
             hashed = _hash_pool().submit(self._hash.update, data)
             try:
-                n = self._write_raw(data)
+                n = write_in_pieces(self._raw.write, data)
             finally:
                 hashed.result()
             if n != len(data):  # a short write: hash what reached the file, not what was offered
