@@ -95,7 +95,7 @@ def main() -> None:
     if dist.is_main():
         ck = work / "exception" / "checkpoints"
         res["on_exception_manifest"] = {k: manifest(ck / ON_EXCEPTION)[k] for k in ("step", "reason", "exception")}
-        res["manifests"] = {name: {k: manifest(work / name / "checkpoints" / "step_3")[k] for k in ("tensors", "trainer")}
+        res["manifests"] = {name: {k: manifest(work / name / "checkpoints" / "step_3")[k] for k in ("tensors", "trainer", "timings")}
                             for name in ("reference", "async", "async_bg")}
         res["minutes_dirs"] = sorted(p.name for p in (work / "minutes" / "checkpoints").iterdir())
         res["minutes_saves"] = [(e["step"], e["reason"]) for e in read_records(work / "minutes", events=True)

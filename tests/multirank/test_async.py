@@ -48,6 +48,9 @@ def test_background_staging_returns_at_once_and_the_next_optimizer_step_waits_fo
     assert bg["stall_s"] >= 1.0, bg
     ref, got = res["manifests"]["reference"], res["manifests"]["async_bg"]
     assert got["tensors"] == ref["tensors"] and got["trainer"] == ref["trainer"]
+    # the checksums above came from the staging copy's own pass, not from a pass of their own
+    assert "staging_and_hash_s" in got["timings"] and "hash_s" not in got["timings"], got["timings"]
+    assert "hash_s" in res["manifests"]["async"]["timings"]  # blocking staging: hashed beside the write
     event = next(r for r in bg["events"] if r["event"] == "checkpoint")
     assert event["mode"] == "async" and event["step"] == 3 and event["stall_s"] >= 1.0
 

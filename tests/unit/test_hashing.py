@@ -173,6 +173,30 @@ def test_native_row_hash_equals_the_python_loop():
         native(b"x" * 10, 0, 0)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_hash_part_with_copy_to_copies_in_the_same_pass_and_hashes_the_same(native, monkeypatch):
+    """hash_part(copy_to=...) (the staging copy of background staging) gives the share hash_part
+    gives, and `copy_to` holds the bytes after it: rows of every xxh3 size class, rows longer
+    than the C copy's 32 KiB piece, destinations not 16-byte aligned, both algorithms, and the
+    fallback without the C extension (copy, then hash)."""
+    from fsdpkit.checkpoint import hashing
+
+    if native:
+        _native_rows_sum()
+    monkeypatch.setattr(hashing, "NATIVE_ROW_HASH", native)
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(7, 1), (9, 5), (3, 60), (4, 1000), (3, 8192 + 3), (2, 20000), (6,), ()]
+    for shape in shapes:
+        for dtype in (torch.float32, torch.bfloat16, torch.int8):
+            for algorithm in (ROWS, LINEAR):
+                t = (torch.randn(shape, generator=gen) * 50).to(dtype)
+                want = hash_part(t, first_row=11, algorithm=algorithm)
+                room = torch.zeros(t.numel() * t.element_size() + 1, dtype=torch.uint8)
+                out = room[1:].view(dtype).view(shape) if dtype == torch.int8 else torch.zeros_like(t)
+                assert hash_part(t, first_row=11, algorithm=algorithm, copy_to=out) == want, (shape, dtype, algorithm)
+                assert torch.equal(out.view(torch.uint8) if out.dim() else out, t.view(torch.uint8) if t.dim() else t)
+
+
 def test_native_row_hash_releases_the_gil():
     """Another Python thread runs while the C row hash works: its timestamps fall inside the
     call (a call holding the GIL, as python-xxhash's one-shot digest does, allows none there)."""

@@ -9,7 +9,7 @@ a save still reads it: a new save first waits for the previous one.
 
 With `background_staging` (state in host memory only), even the copy leaves the loop: the save
 call returns once the state's structure is captured, the background thread copies the tensors
-into the buffer first, and a step pre-hook on the target's optimizer makes the next
+into the buffer first (computing their checksums in the same pass: save.stage_hashing), and a step pre-hook on the target's optimizer makes the next
 `optimizer.step()` wait until that copy is done. The state is then still the state at the save's
 step, provided nothing but `optimizer.step()` changes it in place before that step (true of
 fsdpkit's trainer; a loop that does, e.g. an in-place weight edit, calls `wait_staged()` first).
@@ -37,7 +37,7 @@ import torch.distributed as tdist
 
 from fsdpkit import watchdog
 from fsdpkit.checkpoint.layout import CkptPath
-from fsdpkit.checkpoint.save import Snapshot, capture, write_snapshot
+from fsdpkit.checkpoint.save import Snapshot, capture, stage_hashing, write_snapshot
 from fsdpkit.checkpoint.staging import (
     allocate,
     copy_into,
@@ -140,8 +140,8 @@ class AsyncSaver:
                 if background:
                     try:
                         time.sleep(float(os.environ.get(SLOW_STAGING_ENV, 0)))
-                        with torch.no_grad():
-                            copy_tensors(live.state, self._buffer)
+                        with torch.no_grad():  # the tensor checksums come from the copy's own pass
+                            staged.shares = stage_hashing(live.state, staged.state, group=self.group)
                     finally:
                         copied.set()  # an error is raised by wait(); the loop must not hang on it
                 time.sleep(float(os.environ.get(SLOW_WRITE_ENV, 0)))

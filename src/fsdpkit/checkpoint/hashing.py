@@ -42,6 +42,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdpkit.checkpoint.direct_io import DirectWriter
 from fsdpkit.checkpoint.page_cache import SequentialReader, write_in_pieces
+from fsdpkit.checkpoint.staging import local_part
 from fsdpkit.checkpoint.writeback import WriteBack
 
 HASH_NAME = "xxh3_64"
@@ -62,9 +63,10 @@ DIRECT_WRITERS = 2
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 try:  # built by `pip install` where a C compiler is found (setup.py); optional
+    from fsdpkit.checkpoint._rowhash import copy_rows_sum as _native_copy_rows_sum
     from fsdpkit.checkpoint._rowhash import rows_sum as _native_rows_sum
 except ImportError:
-    _native_rows_sum = None
+    _native_rows_sum = _native_copy_rows_sum = None
 NATIVE_ROW_HASH = _native_rows_sum is not None and os.environ.get("FSDPKIT_PYTHON_ROW_HASH") != "1"
 
 
@@ -339,28 +341,44 @@ def rows_sum_python(raw: memoryview, row_bytes: int, first_row: int) -> int:
     return total & MASK64
 
 
-def _rows_hash(local: torch.Tensor, first_row: int, *, native: bool | None = None) -> int:
+def _rows_hash(local: torch.Tensor, first_row: int, *, native: bool | None = None,
+               copy_to: torch.Tensor | None = None) -> int:
     """Sum over rows of xxh3-64(row bytes, seed=global row index), mod 2**64, as a signed int64.
-    `native`: use the C extension (default: where built, unless FSDPKIT_PYTHON_ROW_HASH=1)."""
+    `native`: use the C extension (default: where built, unless FSDPKIT_PYTHON_ROW_HASH=1).
+    `copy_to`: also copy `local` there (see hash_part)."""
     t = local.detach().cpu().contiguous()
+    native = NATIVE_ROW_HASH if native is None else native
+    if copy_to is not None and not (native and copy_to.device.type == "cpu" and copy_to.is_contiguous()
+                                    and copy_to.dtype == t.dtype and copy_to.shape == t.shape):
+        copy_to.copy_(t)  # no single pass here: copy, then hash below
+        copy_to = None
     rows = t.shape[0]
     if rows == 0 or t.numel() == 0:
         return 0
     raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
     row_bytes = len(raw) // rows
-    native = NATIVE_ROW_HASH if native is None else native
     if native and _native_rows_sum is None:
         raise RuntimeError("fsdpkit's C row hash (fsdpkit.checkpoint._rowhash) was not built; "
                            "reinstall fsdpkit where a C compiler is found")
-    total = (_native_rows_sum if native else rows_sum_python)(raw, row_bytes, first_row)
+    if copy_to is not None:
+        out = memoryview(copy_to.reshape(-1).view(torch.uint8).numpy())
+        total = _native_copy_rows_sum(out, raw, row_bytes, first_row)
+    else:
+        total = (_native_rows_sum if native else rows_sum_python)(raw, row_bytes, first_row)
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
-def hash_part(local: torch.Tensor, *, first_row: int, algorithm: str) -> int:
+def hash_part(local: torch.Tensor, *, first_row: int, algorithm: str, copy_to: torch.Tensor | None = None) -> int:
+    """This part's share of its tensor's checksum. With `copy_to` (a tensor of the part's shape and
+    dtype), the part is also copied there, in the same pass over memory where the C row hash does
+    both (its copy bypasses the CPU cache: a staging copy that checksums costs about what the copy
+    alone does)."""
     if algorithm == ROWS and local.dim() >= 2:
-        return _rows_hash(local, first_row)
+        return _rows_hash(local, first_row, copy_to=copy_to)
     if algorithm not in (ROWS, LINEAR):
         raise ValueError(f"unknown tensor hash algorithm {algorithm!r} (known: {ROWS}, {LINEAR})")
+    if copy_to is not None:
+        copy_to.copy_(local)
     row_elems = local[0].numel() if local.dim() and local.shape[0] else 0
     return _partial_hash(local, first_row * row_elems if local.dim() else 0)
 
@@ -374,25 +392,38 @@ def _rank(group: tdist.ProcessGroup | None) -> int:
     return tdist.get_rank(group) if tdist.is_initialized() else 0
 
 
-def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algorithm: str) -> int:
-    """This rank's share of the hash; replicas (of plain tensors or Replicate dims) count once."""
+def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algorithm: str,
+                        copy_to: torch.Tensor | None = None) -> int:
+    """This rank's share of the hash; replicas (of plain tensors or Replicate dims) count once.
+    `copy_to` (same kind of tensor as `t`): `t`'s local part is copied there in any case."""
+    mine = True
     if not isinstance(t, DTensor):
-        return hash_part(t, first_row=0, algorithm=algorithm) if _rank(group) == 0 else 0
-    coord = t.device_mesh.get_coordinate()
-    if coord is None or any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord, strict=True)):
+        mine, first_row = _rank(group) == 0, 0
+    else:
+        coord = t.device_mesh.get_coordinate()
+        if coord is None or any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord, strict=True)):
+            mine = False
+        else:
+            _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+            if any(offset[1:]):
+                raise NotImplementedError(f"tensor hashing supports dim-0 sharding only, got {t.placements}")
+            first_row = offset[0] if t.dim() else 0
+    local, out = local_part(t), None if copy_to is None else local_part(copy_to)
+    if not mine:
+        if out is not None:
+            out.copy_(local)
         return 0
-    local = t.to_local()
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    if any(offset[1:]):
-        raise NotImplementedError(f"tensor hashing supports dim-0 sharding only, got {t.placements}")
-    return hash_part(local, first_row=offset[0] if local.dim() else 0, algorithm=algorithm)
+    return hash_part(local, first_row=first_row, algorithm=algorithm, copy_to=out)
 
 
 def local_contributions(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None,
-                        algorithm: str = ROWS) -> dict[str, int]:
+                        algorithm: str = ROWS, copy_to: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
     """This rank's share of every tensor's checksum (no collective: it may run on a worker thread
-    while the files are written; `reduce_contributions` then sums the shares over ranks)."""
-    return {k: _local_contribution(tensors[k], group, algorithm) for k in sorted(tensors)}
+    while the files are written; `reduce_contributions` then sums the shares over ranks). With
+    `copy_to` (the same keys: tensors shaped like these), each tensor is also copied into its
+    counterpart, in the same pass where hash_part allows."""
+    return {k: _local_contribution(tensors[k], group, algorithm, None if copy_to is None else copy_to[k])
+            for k in sorted(tensors)}
 
 
 def reduce_contributions(local: dict[str, int], *, group: tdist.ProcessGroup | None) -> dict[str, str]:

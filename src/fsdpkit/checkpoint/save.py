@@ -25,6 +25,7 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from fsdpkit.checkpoint import staging
 from fsdpkit.checkpoint.dcp_storage import hashing_writer
 from fsdpkit.checkpoint.errors import CheckpointSaveError
 from fsdpkit.checkpoint.full import write_full
@@ -74,10 +75,43 @@ def _table(tensors: dict[str, torch.Tensor], hashes: dict[str, str]) -> dict[str
     return {k: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "hash": hashes[k]} for k, t in tensors.items()}
 
 
-def _write_and_hash(state: dict[str, Any], write: Callable[[], Any], *,
-                    group: tdist.ProcessGroup | None) -> tuple[Any, str, dict[str, dict[str, Any]], dict[str, float]]:
-    """`write()` while a worker thread computes this rank's tensor checksum shares, then sum
-    them over ranks: (write's result, algorithm, tensor table, timings).
+@dataclass
+class Shares:
+    """This rank's tensor checksum shares, computed before the write (hashing.local_contributions)."""
+
+    algorithm: str
+    local: dict[str, int]
+    seconds: float  # wall and CPU time of the pass that computed them
+    cpu_s: float
+
+
+def _shares(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None, algorithm: str,
+            copy_to: dict[str, torch.Tensor] | None = None) -> Shares:
+    t0, c0 = time.perf_counter(), time.thread_time()
+    local = local_contributions(tensors, group=group, algorithm=algorithm, copy_to=copy_to)
+    return Shares(algorithm, local, time.perf_counter() - t0, time.thread_time() - c0)
+
+
+def stage_hashing(live: dict[str, Any], staged: dict[str, Any], *, group: tdist.ProcessGroup | None) -> Shares:
+    """Copy every tensor of the DCP state dict `live` into its place in `staged` (the same
+    structure, e.g. an async save's staging buffer) and return the checksum shares of the copied
+    state, computed in the same pass over memory (hashing.hash_part), so that the write after it
+    needs no hashing pass of its own (write_snapshot takes them from the Snapshot)."""
+    tensors, buffers = checksummed_tensors(live), checksummed_tensors(staged)
+    algorithm = hash_algorithm_for(tensors)
+    shares = _shares(tensors, group=group, algorithm=algorithm, copy_to=buffers)
+    hashed = {id(t) for t in tensors.values()}
+    for src, dst in zip(staging.tensors(live), staging.tensors(staged), strict=True):
+        if id(src) not in hashed:  # the rest (e.g. RNG states): copied only
+            staging.local_part(dst).copy_(staging.local_part(src))
+    return shares
+
+
+def _write_and_hash(state: dict[str, Any], write: Callable[[], Any], *, group: tdist.ProcessGroup | None,
+                    shares: Shares | None = None) -> tuple[Any, str, dict[str, dict[str, Any]], dict[str, float]]:
+    """`write()` while a worker thread computes this rank's tensor checksum shares (unless
+    `shares` were computed before, by stage_hashing), then sum them over ranks: (write's result,
+    algorithm, tensor table, timings).
 
     Why a thread: hashing is a pass over every byte of the state; run before the write it added
     its full time to every save, while the write mostly waits for the disk (fsync) with the GIL
@@ -85,22 +119,26 @@ def _write_and_hash(state: dict[str, Any], write: Callable[[], Any], *,
     those of `tensor_table` (same shares, same sum)."""
     tensors = checksummed_tensors(state)
     algorithm = hash_algorithm_for(tensors)  # the same on every rank: all hold state on the same kind of device
-
-    def shares() -> tuple[dict[str, int], float, float]:
-        t0, c0 = time.perf_counter(), time.thread_time()
-        local = local_contributions(tensors, group=group, algorithm=algorithm)
-        return local, time.perf_counter() - t0, time.thread_time() - c0
-
+    if shares is not None and (shares.algorithm != algorithm or shares.local.keys() != tensors.keys()):
+        raise RuntimeError(f"fsdpkit: checksums staged with {shares.algorithm} for {len(shares.local)} tensors, "
+                           f"but the state to write has {len(tensors)} for {algorithm} (a bug: please report it)")
     t0, c0 = time.perf_counter(), time.thread_time()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-hash") as pool:
-        pending = pool.submit(shares)
+    if shares is None:
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-hash") as pool:
+            pending = pool.submit(_shares, tensors, group=group, algorithm=algorithm)
+            written = write()
+            t_write, c_write = time.perf_counter() - t0, time.thread_time() - c0
+            computed = pending.result()
+        timings = {"hash_s": computed.seconds, "hash_cpu_s": computed.cpu_s}
+    else:
         written = write()
         t_write, c_write = time.perf_counter() - t0, time.thread_time() - c0
-        local, hash_s, hash_cpu = pending.result()
+        computed = shares
+        timings = {"staging_and_hash_s": shares.seconds, "staging_and_hash_cpu_s": shares.cpu_s}
     t_joined = time.perf_counter() - t0
-    hashes = reduce_contributions(local, group=group)
-    timings = {"write_s": t_write, "write_cpu_s": c_write, "hash_s": hash_s, "hash_cpu_s": hash_cpu,
-               "hash_wait_s": t_joined - t_write, "hash_reduce_s": time.perf_counter() - t0 - t_joined}
+    hashes = reduce_contributions(computed.local, group=group)
+    timings.update({"write_s": t_write, "write_cpu_s": c_write, "hash_wait_s": t_joined - t_write,
+                    "hash_reduce_s": time.perf_counter() - t0 - t_joined})
     return written, algorithm, _table(tensors, hashes), timings
 
 
@@ -122,6 +160,7 @@ class Snapshot:
     state: dict[str, Any]
     trainer: dict[str, Any]
     meta: dict[str, Any]
+    shares: Shares | None = None  # tensor checksum shares computed while staging (stage_hashing)
 
 
 def capture(target: CheckpointTarget, *, step: int, meta: dict[str, Any], rank: int) -> Snapshot:
@@ -230,7 +269,7 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
         into = as_path(prepared[1])
         t_prepared = time.perf_counter()
         (files_by_rank, extra), algorithm, tensors, timings = _write_and_hash(snapshot.state, lambda: write(into),
-                                                                              group=group)
+                                                                              group=group, shares=snapshot.shares)
         timings["prepare_s"] = t_prepared - t0  # rank 0 readies the directory; every rank learns the outcome
         bytes_per_rank = [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank]
         manifest, failure = None, None

@@ -27,7 +27,7 @@ MAX_COPY_THREADS = 4
 COPY_PIECE_BYTES = 16 << 20  # the unit a parallel copy hands to a thread
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
@@ -50,7 +50,7 @@ def signature(state: Any) -> Any:
     if isinstance(state, list | tuple):
         return tuple(signature(v) for v in state)
     if isinstance(state, torch.Tensor):
-        local = _local(state)
+        local = local_part(state)
         return (type(state).__name__, tuple(state.shape), tuple(local.shape), local.dtype)
     return None
 
@@ -62,7 +62,7 @@ def allocate(state: Any, *, pin: bool) -> Any:
     if isinstance(state, list | tuple):
         return type(state)(allocate(v, pin=pin) for v in state)
     if isinstance(state, torch.Tensor):
-        local = _local(state)
+        local = local_part(state)
         buf = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=pin)
         return DTensor(buf, state._spec, requires_grad=False) if isinstance(state, DTensor) else buf
     return None  # not a tensor: taken from the live state at every save
@@ -79,7 +79,7 @@ def copy_into(state: Any, buffer: Any, *, non_blocking: bool = False, copy_tenso
                            for v, b in zip(state, buffer, strict=True))
     if isinstance(state, torch.Tensor):
         if copy_tensors:
-            _local(buffer).copy_(_local(state), non_blocking=non_blocking)
+            local_part(buffer).copy_(local_part(state), non_blocking=non_blocking)
         return buffer
     return copy.deepcopy(state)
 
@@ -87,7 +87,7 @@ def copy_into(state: Any, buffer: Any, *, non_blocking: bool = False, copy_tenso
 def copy_tensors(state: Any, buffer: Any, *, pool: ThreadPoolExecutor | None = None) -> None:
     """Copy every tensor of `state` (host memory) into its place in `buffer`; with `pool`, in
     pieces of about COPY_PIECE_BYTES spread over its threads (copy_ releases the GIL)."""
-    pairs = [(_local(dst), _local(src)) for src, dst in zip(tensors(state), tensors(buffer), strict=True)]
+    pairs = [(local_part(dst), local_part(src)) for src, dst in zip(tensors(state), tensors(buffer), strict=True)]
     if pool is None:
         for dst, src in pairs:
             dst.copy_(src)
