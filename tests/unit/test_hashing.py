@@ -173,17 +173,19 @@ def test_native_row_hash_equals_the_python_loop():
         native(b"x" * 10, 0, 0)
 
 
-@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("native", ["fused", "an older build", "python"])
 def test_hash_part_with_copy_to_copies_in_the_same_pass_and_hashes_the_same(native, monkeypatch):
     """hash_part(copy_to=...) (the staging copy of background staging) gives the share hash_part
     gives, and `copy_to` holds the bytes after it: rows of every xxh3 size class, rows longer
     than the C copy's 32 KiB piece, destinations not 16-byte aligned, both algorithms, and the
-    fallback without the C extension (copy, then hash)."""
+    fallbacks (copy, then hash): a C extension built before copy_rows_sum existed, and none."""
     from fsdpkit.checkpoint import hashing
 
-    if native:
+    if native != "python":
         _native_rows_sum()
-    monkeypatch.setattr(hashing, "NATIVE_ROW_HASH", native)
+    if native == "an older build":
+        monkeypatch.setattr(hashing, "_native_copy_rows_sum", None)
+    monkeypatch.setattr(hashing, "NATIVE_ROW_HASH", native != "python")
     gen = torch.Generator().manual_seed(5)
     shapes = [(7, 1), (9, 5), (3, 60), (4, 1000), (3, 8192 + 3), (2, 20000), (6,), ()]
     for shape in shapes:

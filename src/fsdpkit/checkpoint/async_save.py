@@ -9,8 +9,9 @@ a save still reads it: a new save first waits for the previous one.
 
 With `background_staging` (state in host memory only), even the copy leaves the loop: the save
 call returns once the state's structure is captured, the background thread copies the tensors
-into the buffer first (computing their checksums in the same pass: save.stage_hashing), and a step pre-hook on the target's optimizer makes the next
-`optimizer.step()` wait until that copy is done. The state is then still the state at the save's
+into the buffer first (computing their checksums in the same pass: save.stage_hashing), and a
+step pre-hook on the target's optimizer makes the next `optimizer.step()` wait until that copy
+is done. The state is then still the state at the save's
 step, provided nothing but `optimizer.step()` changes it in place before that step (true of
 fsdpkit's trainer; a loop that does, e.g. an in-place weight edit, calls `wait_staged()` first).
 The loop's wait in that hook counts in the save's `stall_s`. Tensors on an accelerator are always

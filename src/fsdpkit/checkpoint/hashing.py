@@ -63,10 +63,11 @@ DIRECT_WRITERS = 2
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 try:  # built by `pip install` where a C compiler is found (setup.py); optional
-    from fsdpkit.checkpoint._rowhash import copy_rows_sum as _native_copy_rows_sum
-    from fsdpkit.checkpoint._rowhash import rows_sum as _native_rows_sum
+    from fsdpkit.checkpoint import _rowhash
 except ImportError:
-    _native_rows_sum = _native_copy_rows_sum = None
+    _rowhash = None
+_native_rows_sum = getattr(_rowhash, "rows_sum", None)
+_native_copy_rows_sum = getattr(_rowhash, "copy_rows_sum", None)  # absent from a build older than it: copy, then hash
 NATIVE_ROW_HASH = _native_rows_sum is not None and os.environ.get("FSDPKIT_PYTHON_ROW_HASH") != "1"
 
 
@@ -348,8 +349,9 @@ def _rows_hash(local: torch.Tensor, first_row: int, *, native: bool | None = Non
     `copy_to`: also copy `local` there (see hash_part)."""
     t = local.detach().cpu().contiguous()
     native = NATIVE_ROW_HASH if native is None else native
-    if copy_to is not None and not (native and copy_to.device.type == "cpu" and copy_to.is_contiguous()
-                                    and copy_to.dtype == t.dtype and copy_to.shape == t.shape):
+    if copy_to is not None and not (native and _native_copy_rows_sum is not None and copy_to.device.type == "cpu"
+                                    and copy_to.is_contiguous() and copy_to.dtype == t.dtype
+                                    and copy_to.shape == t.shape):
         copy_to.copy_(t)  # no single pass here: copy, then hash below
         copy_to = None
     rows = t.shape[0]
