@@ -183,8 +183,13 @@ def test_hash_part_with_copy_to_copies_in_the_same_pass_and_hashes_the_same(nati
 
     if native != "python":
         _native_rows_sum()
+    fused_calls = []
     if native == "an older build":
         monkeypatch.setattr(hashing, "_native_copy_rows_sum", None)
+    elif native == "fused":
+        real = hashing._native_copy_rows_sum
+        assert real is not None, "the C extension was built without copy_rows_sum"
+        monkeypatch.setattr(hashing, "_native_copy_rows_sum", lambda *a: fused_calls.append(a[2]) or real(*a))
     monkeypatch.setattr(hashing, "NATIVE_ROW_HASH", native != "python")
     gen = torch.Generator().manual_seed(5)
     shapes = [(7, 1), (9, 5), (3, 60), (4, 1000), (3, 8192 + 3), (2, 20000), (6,), ()]
@@ -197,6 +202,8 @@ def test_hash_part_with_copy_to_copies_in_the_same_pass_and_hashes_the_same(nati
                 out = room[1:].view(dtype).view(shape) if dtype == torch.int8 else torch.zeros_like(t)
                 assert hash_part(t, first_row=11, algorithm=algorithm, copy_to=out) == want, (shape, dtype, algorithm)
                 assert torch.equal(out.view(torch.uint8) if out.dim() else out, t.view(torch.uint8) if t.dim() else t)
+    # the single pass ran for every 2-d part (rows of 1 to 80000 bytes), and only where asked for
+    assert (len(fused_calls) == 3 * 6) == (native == "fused") and (not fused_calls or max(fused_calls) == 80000)
 
 
 def test_native_row_hash_releases_the_gil():

@@ -81,8 +81,8 @@ class Shares:
 
     algorithm: str
     local: dict[str, int]
-    seconds: float  # wall and CPU time of the pass that computed them
-    cpu_s: float
+    seconds: float  # wall time of the pass that computed them
+    cpu_s: float  # its CPU time (of the thread that ran it)
 
 
 def _shares(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None, algorithm: str,
