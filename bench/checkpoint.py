@@ -242,18 +242,21 @@ def _takes_direct(folder: Path) -> bool:
     """Whether files in `folder` take O_DIRECT writes (not tmpfs, nor with FSDPKIT_DIRECT_IO=0)."""
     from fsdpkit.checkpoint import direct_io
 
-    probe = folder / "o_direct_probe.bin"
-    fd = direct_io.open_direct(probe, os.O_WRONLY | os.O_CREAT)
-    if fd is None:
-        return False
+    made, probe = tempfile.mkstemp(prefix=".o_direct_probe_", dir=folder)  # a new file of ours, never one found there
+    os.close(made)
     try:
-        os.pwrite(fd, direct_io.aligned_buffer(direct_io.ALIGN).numpy(), 0)
-        return True
-    except OSError:
-        return False
+        fd = direct_io.open_direct(probe, os.O_WRONLY)
+        if fd is None:
+            return False
+        try:
+            os.pwrite(fd, direct_io.aligned_buffer(direct_io.ALIGN).numpy(), 0)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
-        probe.unlink()
+        os.unlink(probe)
 
 
 def read_ceiling(paths: list[Path], *, reps: int, drop: bool, direct: bool = False) -> dict[str, Any]:

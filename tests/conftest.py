@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -71,9 +72,13 @@ def opens_o_direct(folder: Path) -> bool:
     """Whether a new file in `folder` opens with O_DIRECT (fsdpkit's probe; the probe file is removed)."""
     from fsdpkit.checkpoint import direct_io
 
-    fd = direct_io.open_direct(folder / "o_direct_probe", os.O_WRONLY | os.O_CREAT)
-    if fd is None:
-        return False
-    os.close(fd)
-    os.unlink(folder / "o_direct_probe")
-    return True
+    made, probe = tempfile.mkstemp(prefix=".o_direct_probe_", dir=folder)  # a new file of ours
+    os.close(made)
+    try:
+        fd = direct_io.open_direct(probe, os.O_WRONLY)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
+    finally:
+        os.unlink(probe)
