@@ -17,7 +17,9 @@ Ceilings (this process, torch on one thread, as each rank runs; every one a medi
   also O_DIRECT reads and a warm (page-cache) re-read of one file for reference;
 - memcpy: `dst.copy_(src)` between two existing 512 MiB tensors, and into a fresh allocation
   (`torch.empty` + `copy_`, page faults included); also two copies at once (two threads), as both
-  ranks stage at the same moment (information; the target uses one copy).
+  ranks stage at the same moment; and both again with non-temporal stores (fsdpkit's
+  `_rowhash.stream_copy`, which its staging copies use: on this VM faster than `copy_`, whose
+  cached stores read every destination line first). The faster of the two ways is the ceiling.
 
 Model: nn.Linear(w, w, bias=False) layers (w = --width, default 2304, divisible by 1, 2 and 3 so no
 rank holds a padded shard), each `fully_shard`-ed, then the root; AdamW(foreach); one real
@@ -269,6 +271,9 @@ def read_ceiling(paths: list[Path], *, reps: int, drop: bool, direct: bool = Fal
 
 def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: list[int], reps: int) -> dict[str, Any]:
     """Disk, page-cache and memcpy ceilings; every figure a median of `reps` repetitions."""
+    from fsdpkit.checkpoint import staging
+    from fsdpkit.checkpoint.page_cache import READ_RESTART_BYTES, WRITE_PIECE_BYTES
+
     torch.set_num_threads(1)
     nbytes = int(gib * GiB) // CHUNK * CHUNK
     block = os.urandom(CHUNK)
@@ -299,13 +304,21 @@ def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: lis
         t0 = time.perf_counter()
         torch.empty(n).copy_(src)
         fresh.append(time.perf_counter() - t0)
+    stream_copy = staging.copy_host if staging.HAS_STREAM_COPY else None  # non-temporal stores
+    streamed = []
+    for _ in range(reps if stream_copy else 0):
+        t0 = time.perf_counter()
+        stream_copy(dst, src)
+        streamed.append(time.perf_counter() - t0)
     pair_src, pair_dst = [torch.ones(n) for _ in range(2)], [torch.ones(n) for _ in range(2)]  # pages touched
-    # two copies at once (copy_ drops the GIL): both ranks stage at the same moment
+    # two copies at once (both copies drop the GIL): both ranks stage at the same moment
     together = [_concurrently([lambda d=d, s=s: d.copy_(s) for d, s in zip(pair_dst, pair_src, strict=True)])
                 for _ in range(reps)]
+    together_streamed = [_concurrently([lambda d=d, s=s: stream_copy(d, s)
+                                        for d, s in zip(pair_dst, pair_src, strict=True)])
+                         for _ in range(reps)] if stream_copy else []
     del src, dst, pair_src, pair_dst
     gbps = lambda b, ts: b / statistics.median(ts) / 1e9  # noqa: E731
-    from fsdpkit.checkpoint.page_cache import READ_RESTART_BYTES, WRITE_PIECE_BYTES
 
     return {
         "reps": reps,
@@ -317,6 +330,8 @@ def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: lis
         "memcpy_gbps": gbps(n * 4, copies),
         "memcpy_fresh_alloc_gbps": gbps(n * 4, fresh),
         "memcpy_2threads_each_gbps": gbps(n * 4, together),
+        **({"memcpy_stream_gbps": gbps(n * 4, streamed),
+            "memcpy_stream_2threads_each_gbps": gbps(n * 4, together_streamed)} if stream_copy else {}),
     }
 
 

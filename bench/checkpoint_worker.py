@@ -49,6 +49,7 @@ from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary
 from fsdpkit.checkpoint.page_cache import write_in_pieces
 from fsdpkit.checkpoint.resume import load_checkpoint
 from fsdpkit.checkpoint.save import save_checkpoint
+from fsdpkit.checkpoint.staging import HAS_STREAM_COPY, copy_host
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
 from fsdpkit.checkpoint.writeback import WriteBack
 
@@ -454,22 +455,25 @@ def bench_b1(b: Bench, root: Path, runs: int) -> dict[str, Any]:
 
 # -- B2: async stall ---------------------------------------------------------------------------
 STATE_MEMCPY = "memcpy of the per-rank state (yardstick)"
+STATE_MEMCPY_STREAM = "memcpy of the per-rank state, non-temporal stores (yardstick)"
 
 
 class StateCopy:
     """B2's yardstick, timed in the same rotation as the saves: every rank copies its shards of the
-    model and optimizer state (torch copy_, one thread, as the ranks run) into tensors of the same
-    shapes allocated and touched beforehand, all ranks at once as they stage at once."""
+    model and optimizer state (one thread, as the ranks run) into tensors of the same shapes
+    allocated and touched beforehand, all ranks at once as they stage at once; with torch copy_,
+    or with `stream` fsdpkit's non-temporal copy (staging.copy_host). The faster is the yardstick."""
 
-    def __init__(self, b: Bench) -> None:
+    def __init__(self, b: Bench, *, stream: bool = False) -> None:
         self.src = local_tensors(b, with_steps=True)
         self.dst = [torch.empty_like(t) for t in self.src]
+        self.copy = copy_host if stream else torch.Tensor.copy_
         self()  # touch the pages once, as a reused staging buffer's are
 
     @torch.no_grad()
     def __call__(self) -> None:
         for d, s in zip(self.dst, self.src, strict=True):
-            d.copy_(s)
+            self.copy(d, s)
 
 
 def one_async_save(b: Bench, method: AsyncMethod, root: Path, step: FixedStep, n_during: int) -> dict[str, Any]:
@@ -506,19 +510,21 @@ def bench_b2(b: Bench, root: Path, runs: int, *, sync_s: float, step: FixedStep)
     methods = {k: AsyncMethod(b, k) for k in ASYNC_KINDS}
     first = {k: one_async_save(b, methods[k], root / "b2_first", step, n_during) for k in FIRST_REPORTED}
     per_run: dict[str, list[dict[str, Any]]] = {k: [] for k in ASYNC_KINDS}
-    copy_state = StateCopy(b)
-    memcpy: list[float] = []
+    copies = {STATE_MEMCPY: StateCopy(b)}
+    if HAS_STREAM_COPY:
+        copies[STATE_MEMCPY_STREAM] = StateCopy(b, stream=True)
+    memcpy: dict[str, list[float]] = {k: [] for k in copies}
     for r in range(runs):
-        kinds = (*ASYNC_KINDS, STATE_MEMCPY)
+        kinds = (*ASYNC_KINDS, *copies)
         for k in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
-            if k == STATE_MEMCPY:
-                memcpy.append(timed(copy_state, b.sync_group)[1])
+            if k in copies:
+                memcpy[k].append(timed(copies[k], b.sync_group)[1])
                 continue
             per_run[k].append(one_async_save(b, methods[k], root / f"b2_{r}", step, n_during))
         log(f"B2 run {r + 1}/{runs}: stall " + ", ".join(f"{k} {per_run[k][-1]['stall_s'] * 1e3:.0f} ms"
                                                           for k in ASYNC_KINDS)
-            + f"; {STATE_MEMCPY} {memcpy[-1] * 1e3:.0f} ms")
-    del copy_state
+            + "".join(f"; {k} {v[-1] * 1e3:.0f} ms" for k, v in memcpy.items()))
+    del copies
     for m in methods.values():
         m.close()
     summary = {}
@@ -534,7 +540,9 @@ def bench_b2(b: Bench, root: Path, runs: int, *, sync_s: float, step: FixedStep)
                       "step_slowdown": med(flight) / med(base) if flight and base else None}
     return {"fixed_step_s": step_s, "steps_per_save": n_during, "n_base_steps": N_BASE_STEPS,
             "fsdpkit_capture_median_s": max_over_ranks(med(capture), b.sync_group),
-            "state_memcpy_s": memcpy, "state_memcpy_median_s": med(memcpy),
+            "state_memcpy_s": memcpy[STATE_MEMCPY], "state_memcpy_median_s": med(memcpy[STATE_MEMCPY]),
+            **({"state_memcpy_stream_s": memcpy[STATE_MEMCPY_STREAM],
+                "state_memcpy_stream_median_s": med(memcpy[STATE_MEMCPY_STREAM])} if HAS_STREAM_COPY else {}),
             "summary": summary, "first": first, "runs": per_run}
 
 

@@ -45,3 +45,32 @@ def test_copy_threads_setting(monkeypatch):
     monkeypatch.delenv(staging.STAGING_THREADS_ENV)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")  # more ranks on this host than cores: one thread each
     assert staging.copy_threads() == 1
+
+
+def test_host_copies_stream_where_they_can(monkeypatch):
+    """Large contiguous host tensors go through the C streaming copy (exact for every dtype, a
+    destination off 16-byte alignment and a ragged end, a source that requires grad); the rest
+    (small, strided, lazily conjugated) through copy_, as does everything without the extension."""
+    if staging._stream_copy is None:
+        pytest.skip("fsdpkit's C extension was not built here")
+    calls = []
+    native = staging._stream_copy
+    monkeypatch.setattr(staging, "_stream_copy", lambda out, src: (calls.append(len(src)), native(out, src)))
+    gen = torch.Generator().manual_seed(1)
+    n = staging.STREAM_MIN_BYTES // 4 + 13  # whole 64-byte blocks and a ragged tail
+    param = torch.nn.Parameter(torch.randn(n, generator=gen))
+    state = {"param": param, "bf16": torch.randn(3, n, generator=gen).bfloat16(),
+             "small": torch.randn(5, generator=gen), "strided": torch.randn(300, 70, generator=gen).t(),
+             "conj": torch.randn(n, dtype=torch.complex64, generator=gen).conj()}
+    buffer = staging.allocate(state, pin=False)
+    staged = staging.copy_into(state, buffer)  # the one-thread path of a blocking stage
+    for k in state:
+        assert torch.equal(staged[k], state[k]), k
+    assert sorted(calls) == sorted([param.nbytes, state["bf16"].nbytes])
+    raw = torch.empty(n * 4 + 3, dtype=torch.uint8)[3:]  # a destination 3 bytes off alignment
+    calls.clear()
+    staging.copy_host(raw, param.detach().view(torch.uint8))
+    assert calls == [n * 4] and torch.equal(raw, param.detach().view(torch.uint8))
+    monkeypatch.setattr(staging, "_stream_copy", None)
+    again = staging.copy_into(state, staging.allocate(state, pin=False))
+    assert all(torch.equal(again[k], state[k]) for k in state)

@@ -1,4 +1,5 @@
-/* The `xxh3_64-rows` tensor checksum (see hashing.py) in one native call that releases the GIL.
+/* The `xxh3_64-rows` tensor checksum (see hashing.py) in one native call that releases the GIL,
+ * and the host copies of staging (staging.py) with non-temporal stores.
  *
  * rows_sum(buffer, row_bytes, first_row) -> int
  *   The sum, mod 2**64, of XXH3-64(row i's bytes, seed = first_row + i) over the rows of `buffer`
@@ -6,6 +7,9 @@
  * copy_rows_sum(out, buffer, row_bytes, first_row) -> int
  *   The same sum, copying `buffer` into the writable `out` (same size, not overlapping) in the
  *   same pass: a staging copy that checksums its state reads it from memory once, not twice.
+ * stream_copy(out, buffer) -> None
+ *   Copy `buffer` into the writable `out` (same size, not overlapping) with non-temporal stores
+ *   and the GIL released: a blocking staging copy that the training loop waits for.
  *
  * The same sum as a Python loop of xxhash.xxh3_64_intdigest calls (the fallback in hashing.py),
  * but without holding the GIL: python-xxhash's one-shot digest holds it, so a training thread
@@ -135,12 +139,35 @@ static PyObject *copy_rows_sum(PyObject *self, PyObject *args) {
     return PyLong_FromUnsignedLongLong(total);
 }
 
+static PyObject *stream_copy(PyObject *self, PyObject *args) {
+    Py_buffer out, view;
+    if (!PyArg_ParseTuple(args, "w*y*", &out, &view)) {
+        return NULL;
+    }
+    if (out.len != view.len) {
+        PyErr_Format(PyExc_ValueError, "stream_copy: a %zd-byte source into a %zd-byte destination "
+                     "(the same size needed)", view.len, out.len);
+        PyBuffer_Release(&out);
+        PyBuffer_Release(&view);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    COPY_PIECE((char *)out.buf, (const char *)view.buf, (size_t)view.len);
+    COPY_DONE();
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"rows_sum", rows_sum, METH_VARARGS,
      "rows_sum(buffer, row_bytes, first_row) -> sum mod 2**64 of XXH3-64(row, seed=first_row + i)"},
     {"copy_rows_sum", copy_rows_sum, METH_VARARGS,
      "copy_rows_sum(out, buffer, row_bytes, first_row) -> rows_sum(buffer, ...), copying buffer into out "
      "in the same pass"},
+    {"stream_copy", stream_copy, METH_VARARGS,
+     "stream_copy(out, buffer) -> None: copy buffer into out with non-temporal stores, the GIL released"},
     {NULL, NULL, 0, NULL},
 };
 
