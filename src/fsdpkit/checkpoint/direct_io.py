@@ -42,6 +42,11 @@ device's logical block size divides it)."""
 
 ENABLED = hasattr(os, "O_DIRECT") and os.environ.get("FSDPKIT_DIRECT_IO", "1") != "0"
 
+try:
+    from fsdpkit.checkpoint._rowhash import stream_copy as _copy
+except ImportError:  # built without a C compiler, or a build older than stream_copy
+    _copy = np.copyto
+
 
 def _round_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
@@ -172,9 +177,13 @@ class DirectWriter:
     The file is `path`, created (or truncated) here, unless `fd` is given: an ordinary descriptor
     the caller opened on `path` for writing, an empty file, which the caller keeps and closes.
 
-    `digest` (e.g. an xxhash object), if given, is updated with every byte written, in order: from
-    the staging buffer right after each piece of at most DIGEST_PIECE_BYTES is copied in, while the
-    piece is still in the CPU's cache, so that hashing adds no second read of the caller's memory."""
+    Bytes are copied into the staging buffers with non-temporal stores where the C extension is
+    built (`_rowhash.stream_copy`): the buffers go to the device, not to the CPU, so their lines are
+    neither read into the cache before being overwritten nor kept there.
+
+    `digest` (e.g. an xxhash object), if given, is updated with every byte written, in order, a
+    piece of at most DIGEST_PIECE_BYTES at a time, each hashed from the caller's memory right before
+    it is copied: the copy then reads it from the cache, so hashing adds no second read from memory."""
 
     DIGEST_PIECE_BYTES = 1 << 20
 
@@ -219,10 +228,10 @@ class DirectWriter:
         done = 0
         while done < src.size:
             n = min(src.size - done, self._buffer.numel() - self._filled, piece)
-            staged = self._buffer.numpy()[self._filled : self._filled + n]
-            np.copyto(staged, src[done : done + n])  # releases the GIL, as xxhash does
+            part = src[done : done + n]
             if self._digest is not None:
-                self._digest.update(staged)
+                self._digest.update(part)
+            _copy(self._buffer.numpy()[self._filled : self._filled + n], part)  # releases the GIL, as xxhash does
             self._filled += n
             done += n
             if self._filled == self._buffer.numel():
