@@ -27,7 +27,8 @@ forward/backward/step so that exp_avg and exp_avg_sq exist. The layer count make
 params + exp_avg + exp_avg_sq (fp32) total each of --sizes-gib over 2 gloo ranks. The target
 holds a Stateful "train" step counter (load verification compares it with the optimizer's steps).
 
-Phases, per size (medians of --runs runs, methods rotated within each run so none is always first):
+Phases, per size (medians of --runs runs; the methods' order rotates from run to run and is reversed
+in every other run, so that none is always first nor always right after the same one):
 - B1 sync save: wall time from a barrier until the last rank returned (= committed) for
   fsdpkit `save_checkpoint` (meta built as Checkpointer._meta builds it), plain `dcp.save`
   (FileSystemWriter, sync_files=True) and rank-0 `torch.save` of the full state dict gathered by

@@ -94,6 +94,14 @@ def timed(fn: Callable[[], Any], group) -> tuple[Any, float]:
     return out, max_over_ranks(time.perf_counter() - t0, group)
 
 
+def rotation(names: list[str] | tuple[str, ...], r: int) -> list[str]:
+    """The order of run `r`: rotated by r and reversed in odd runs, so that no method always runs
+    first nor always right after the same one (a write leaves the disk and the page cache busy for
+    whatever follows it)."""
+    order = list(names[r % len(names):]) + list(names[: r % len(names)])
+    return order[::-1] if r % 2 else order
+
+
 def remove(path: Path, group) -> None:
     """Delete a checkpoint directory between runs (rank 0), so the disk never fills."""
     tdist.barrier(group=group)
@@ -441,7 +449,7 @@ def bench_b1(b: Bench, root: Path, runs: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {n: [] for n in names}
     fsdpkit_timings = []
     for r in range(runs):
-        for name in names[r % len(names):] + names[: r % len(names)]:  # rotate: no method always first
+        for name in rotation(names, r):
             path = root / f"b1_{r}"
             out, dt = timed(lambda: B1_METHODS[name](b, path), b.sync_group)  # noqa: B023 - called at once
             times[name].append(dt)
@@ -516,7 +524,7 @@ def bench_b2(b: Bench, root: Path, runs: int, *, sync_s: float, step: FixedStep)
     memcpy: dict[str, list[float]] = {k: [] for k in copies}
     for r in range(runs):
         kinds = (*ASYNC_KINDS, *copies)
-        for k in kinds[r % len(kinds):] + kinds[: r % len(kinds)]:
+        for k in rotation(kinds, r):
             if k in copies:
                 memcpy[k].append(timed(copies[k], b.sync_group)[1])
                 continue
@@ -638,7 +646,7 @@ def bench_load(b: Bench, path: Path, runs: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {n: [] for n in names}
     verify_s = []
     for r in range(runs):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in rotation(names, r):
             drop_page_cache(path)
             report, dt = timed(variants[name], b.sync_group)
             times[name].append(dt)
