@@ -47,10 +47,15 @@ def test_copy_threads_setting(monkeypatch):
     assert staging.copy_threads() == 1
 
 
+class _Wrapped(torch.Tensor):
+    """A tensor subclass (as NF4 or float8 wrappers are): its bytes are not simply its values."""
+
+
 def test_host_copies_stream_where_they_can(monkeypatch):
     """Large contiguous host tensors go through the C streaming copy (exact for every dtype, a
     destination off 16-byte alignment and a ragged end, a source that requires grad); the rest
-    (small, strided, lazily conjugated) through copy_, as does everything without the extension."""
+    (small, strided, lazily conjugated, a tensor subclass) through copy_, as does everything without
+    the extension."""
     if staging._stream_copy is None:
         pytest.skip("fsdpkit's C extension was not built here")
     calls = []
@@ -61,7 +66,8 @@ def test_host_copies_stream_where_they_can(monkeypatch):
     param = torch.nn.Parameter(torch.randn(n, generator=gen))
     state = {"param": param, "bf16": torch.randn(3, n, generator=gen).bfloat16(),
              "small": torch.randn(5, generator=gen), "strided": torch.randn(300, 70, generator=gen).t(),
-             "conj": torch.randn(n, dtype=torch.complex64, generator=gen).conj()}
+             "conj": torch.randn(n, dtype=torch.complex64, generator=gen).conj(),
+             "subclass": torch.randn(n, generator=gen).as_subclass(_Wrapped)}
     buffer = staging.allocate(state, pin=False)
     staged = staging.copy_into(state, buffer)  # the one-thread path of a blocking stage
     for k in state:
