@@ -47,9 +47,10 @@ in every other run, so that none is always first nor always right after the same
   staging buffer and is reported apart. While a save is in flight the loop runs fixed-cost steps
   (below); their median time over the median of steps with nothing in flight is the slowdown.
   The stall's yardstick is a plain memcpy of the per-rank state (every rank copying its shards
-  into tensors touched beforehand, at once, one thread each), timed in the same rotation as the
-  saves: this VM's memory bandwidth drifts by up to half between minutes, so the memcpy ceiling
-  measured before the benchmarks is only quoted beside it.
+  into tensors touched beforehand, at once, one thread each; with torch's copy_ and with
+  non-temporal stores, the faster median counting), timed in the same rotation as the saves: this
+  VM's memory bandwidth drifts by up to half between minutes, so the memcpy ceiling measured before
+  the benchmarks is only quoted beside it.
 - B3 peak memory: for each sync and async method (async: from the call until durable, no training
   steps), the peak RSS per rank: the larger of a thread sampling /proc/self/statm every 2 ms and
   the kernel's VmHWM, reset before each save (clear_refs). Reported: the absolute peak, its
