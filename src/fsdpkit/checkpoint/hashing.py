@@ -88,12 +88,12 @@ def _hash_pool() -> ThreadPoolExecutor:
 class _HashingStream(io.RawIOBase):
     """Passes writes through to `raw` and hashes them; reports (size, digest) on close.
 
-    Through a DirectWriter (below), each piece is hashed from the O_DIRECT staging buffer right
-    after it is copied there, while still in the CPU's cache (one read of torch.save's memory
-    instead of two: 33 ms of CPU per 512 MiB instead of 47-53 in a micro-benchmark on the
-    2-core VM). Otherwise a write of OVERLAP_BYTES or more is hashed on another thread while this
-    one writes it. Either way `write` returns only when the bytes are hashed: the caller
-    (torch.save) may free or reuse the buffer as soon as it returns, so the hash never reads it later.
+    Through a DirectWriter (below), each piece is hashed from torch.save's memory right before it
+    is copied into the O_DIRECT staging buffer, so the copy reads it from the CPU's cache: one read
+    of that memory instead of two (see DirectWriter). Otherwise a write of OVERLAP_BYTES or more is
+    hashed on another thread while this one writes it. Either way `write` returns only when the
+    bytes are hashed: the caller (torch.save) may free or reuse the buffer as soon as it returns,
+    so the hash never reads it later.
 
     A write that fails (a full disk) is raised at `fileno()` or `close()`, and the writes after it
     are dropped: raised from inside torch.save, the error would surface as torch's "unexpected
