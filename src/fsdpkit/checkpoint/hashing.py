@@ -42,7 +42,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdpkit.checkpoint.direct_io import DirectWriter
 from fsdpkit.checkpoint.page_cache import SequentialReader, write_in_pieces
-from fsdpkit.checkpoint.staging import local_part
+from fsdpkit.checkpoint.staging import copy_host, local_part
 from fsdpkit.checkpoint.writeback import WriteBack
 
 HASH_NAME = "xxh3_64"
@@ -352,7 +352,7 @@ def _rows_hash(local: torch.Tensor, first_row: int, *, native: bool | None = Non
     if copy_to is not None and not (native and _native_copy_rows_sum is not None and copy_to.device.type == "cpu"
                                     and copy_to.is_contiguous() and copy_to.dtype == t.dtype
                                     and copy_to.shape == t.shape):
-        copy_to.copy_(t)  # no single pass here: copy, then hash below
+        copy_host(copy_to, t)  # no single pass here: copy, then hash below
         copy_to = None
     rows = t.shape[0]
     if rows == 0 or t.numel() == 0:
@@ -380,7 +380,7 @@ def hash_part(local: torch.Tensor, *, first_row: int, algorithm: str, copy_to: t
     if algorithm not in (ROWS, LINEAR):
         raise ValueError(f"unknown tensor hash algorithm {algorithm!r} (known: {ROWS}, {LINEAR})")
     if copy_to is not None:
-        copy_to.copy_(local)
+        copy_host(copy_to, local)
     row_elems = local[0].numel() if local.dim() and local.shape[0] else 0
     return _partial_hash(local, first_row * row_elems if local.dim() else 0)
 
@@ -413,7 +413,7 @@ def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algor
     local, out = local_part(t), None if copy_to is None else local_part(copy_to)
     if not mine:
         if out is not None:
-            out.copy_(local)
+            copy_host(out, local)
         return 0
     return hash_part(local, first_row=first_row, algorithm=algorithm, copy_to=out)
 

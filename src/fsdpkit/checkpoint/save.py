@@ -103,7 +103,7 @@ def stage_hashing(live: dict[str, Any], staged: dict[str, Any], *, group: tdist.
     hashed = {id(t) for t in tensors.values()}
     for src, dst in zip(staging.tensors(live), staging.tensors(staged), strict=True):
         if id(src) not in hashed:  # the rest (e.g. RNG states): copied only
-            staging.local_part(dst).copy_(staging.local_part(src))
+            staging.copy_host(staging.local_part(dst), staging.local_part(src))
     return shares
 
 
