@@ -83,7 +83,21 @@ class ModelConfig:
 
     kind: str = "llama"
     """`llama`: fsdpkit's reference Llama (Hugging Face LlamaForCausalLM parameter names).
-    `hf`: any transformers causal LM built from `hf_config` (needs the `hf` extra)."""
+    `hf`: any transformers causal LM, from a model folder (`path`) or from `hf_config` (needs the
+    `hf` extra). `model=hf model.path=DIR` selects it."""
+    path: str = ""
+    """kind=hf: a Hugging Face model folder (`config.json` and safetensors weights, as
+    `save_pretrained` writes them). The model is built from its `config.json` exactly as
+    `AutoConfig.from_pretrained` reads it, on the meta device, and each rank loads only its own
+    slices of the weights (see `pretrained`). The folder's tokenizer is the default
+    `data.tokenizer`. The vocabulary, width and every other field come from the folder: the
+    `vocab_size`, `hidden_size`, ... fields above do not apply."""
+    pretrained: bool = True
+    """With `path`: start from the folder's weights (fine-tuning). false: a random, seeded init of
+    the folder's architecture (pretraining it from scratch); only its config.json is read."""
+    attn_implementation: str = ""
+    """kind=hf: the attention kernel transformers runs (`eager`, `sdpa`, `flex_attention`, ... as
+    far as the architecture supports it). Empty: what transformers picks for that model."""
     vocab_size: int = 512
     """Vocabulary size (rows of the embedding and of lm_head)."""
     hidden_size: int = 128
@@ -107,8 +121,10 @@ class ModelConfig:
     initializer_range: float = 0.02
     """Standard deviation of the normal init of linear and embedding weights."""
     hf_config: dict[str, Any] = field(default_factory=dict)
-    """kind=hf only: keyword arguments of `transformers.AutoConfig.for_model` (must include
-    `model_type`, e.g. `llama`)."""
+    """kind=hf without `path`: keyword arguments of `transformers.AutoConfig.for_model` (must
+    include `model_type`, e.g. `llama`). With `path`: fields that override the folder's
+    config.json (`model.hf_config.rope_theta=1e6`), each one logged. A run records here the whole
+    config it trained with: what its checkpoints and exports carry."""
     init_from: str = ""
     """`hf:<dir>`: start from the weights of a Hugging Face safetensors folder (model.safetensors
     or shards with an index) instead of a random init; each rank reads only the slices it owns,
