@@ -126,8 +126,8 @@ def validate(cfg: Config) -> None:
         )
     for key in ("auto_wrap_policy", "activation_checkpointing_policy"):
         for path in getattr(p, key):
-            if "." not in path:
-                raise ValueError(f"config key 'policy.{key}' entry {path!r} is not a dotted class path (module.Class)")
+            if path != "auto" and "." not in path:
+                raise ValueError(f"config key 'policy.{key}' entry {path!r} is not `auto` or a dotted class path (module.Class)")
     _one_of("model.kind", m.kind, ("llama", "hf"))
     if m.kind == "llama":
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -137,8 +137,18 @@ def validate(cfg: Config) -> None:
             raise ValueError("config key 'model.hidden_size' must be divisible by model.num_attention_heads")
         if m.num_attention_heads % m.num_key_value_heads:
             raise ValueError("config key 'model.num_attention_heads' must be divisible by model.num_key_value_heads")
-    elif "model_type" not in m.hf_config:
-        raise ValueError("config key 'model.hf_config' needs a `model_type` (e.g. llama) when model.kind=hf")
+    elif not m.path and "model_type" not in m.hf_config:
+        raise ValueError("model.kind=hf needs model.path=<Hugging Face model folder> (or, to build a model from a "
+                         "config alone, model.hf_config with a `model_type`, e.g. llama)")
+    if m.path:
+        if m.kind != "hf":
+            raise ValueError(f"model.path={m.path} is a Hugging Face folder, but model.kind={m.kind}; select the "
+                             "folder's model with model=hf model.path=DIR")
+        if m.init_from:
+            raise ValueError(f"model.init_from={m.init_from} and model.path={m.path} both name weights to start from; "
+                             "model.path loads its own (model.pretrained=false for a random init): drop model.init_from")
+    _one_of("model.attn_implementation", m.attn_implementation or "eager",
+            ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "paged_attention"))
     _one_of("model.peft.method", m.peft.method, ("none", "lora"))
     if m.peft.method != "none":
         if m.kind != "hf":
@@ -150,8 +160,11 @@ def validate(cfg: Config) -> None:
     if d.kind == "hf":
         if not d.files:
             raise ValueError("data.kind=hf needs data.files=[path or glob, ...] (jsonl, json, parquet, csv or txt)")
+        if not d.tokenizer and m.path:
+            d.tokenizer = m.path  # the model folder's own tokenizer
         if not d.tokenizer:
-            raise ValueError("data.kind=hf needs data.tokenizer=<folder of a Hugging Face tokenizer>")
+            raise ValueError("data.kind=hf needs data.tokenizer=<folder of a Hugging Face tokenizer> (with model.path "
+                             "it defaults to the model folder)")
         _one_of("data.format", d.format, ("auto", "json", "parquet", "csv", "text"))
         _one_of("data.overlong", d.overlong, ("truncate", "drop"))
         _positive("data.num_proc", d.num_proc)

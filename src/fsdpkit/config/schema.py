@@ -45,12 +45,15 @@ class StrategyConfig:
 class PolicyConfig:
     """Model-specific FSDP knobs, usually set by an experiment file."""
 
-    auto_wrap_policy: list[str] = field(default_factory=lambda: ["fsdpkit.model.llama.LlamaDecoderLayer"])
-    """Dotted class paths; every module that is an instance of one becomes its own FSDP unit
-    (`fully_shard`, bottom-up), then the root is sharded. A list that matches no module is an error."""
+    auto_wrap_policy: list[str] = field(default_factory=lambda: ["auto"])
+    """`auto` (the model's own block classes: those its `_no_split_modules` names, as Accelerate
+    wraps them; the decoder layers) and/or dotted class paths; every module that is an instance of
+    one becomes its own FSDP unit (`fully_shard`, bottom-up), then the root is sharded. A list that
+    matches no module is an error; one that leaves most parameters in the root unit is a warning."""
     activation_checkpointing_policy: list[str] = field(default_factory=list)
-    """Dotted class paths whose modules recompute activations in backward (composable
-    `checkpoint`, so parameter names stay unchanged). Empty: no activation checkpointing."""
+    """`auto` (as for auto_wrap_policy) and/or dotted class paths whose modules recompute
+    activations in backward (composable `checkpoint`, so parameter names stay unchanged). Empty: no
+    activation checkpointing."""
     mixed_precision: Any = "fp32"
     """The one source of truth for dtypes: a preset name (`fp32`; `bf16-mixed`: bf16 params in
     forward/backward, fp32 gradient reduction, fp32 outputs and buffers, fp32 master weights;
@@ -161,7 +164,7 @@ class DataConfig:
     tokenizer: str = ""
     """kind=hf: a folder holding a Hugging Face tokenizer (tokenizer.json, as `save_pretrained`
     writes it; read with no network access), or a hub id when the machine has network. Its size
-    must not exceed the model's vocabulary."""
+    must not exceed the model's vocabulary. Empty with `model.path`: the model folder's tokenizer."""
     text_field: str = "text"
     """kind=hf: the column holding a document's text (`text` for format=text)."""
     messages_field: str = ""

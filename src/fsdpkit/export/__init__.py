@@ -2,7 +2,7 @@
 
     export_checkpoint(ckpt, out, *, dtype=None, max_shard_size="5GB", fmt="hf", ...) -> report
         streaming safetensors export of the model weights (Hugging Face folder or one file)
-    load_hf_weights(model, hf_dir, *, strict=True) -> report
+    load_hf_weights(model, hf_dir) -> report
         fill an FSDP2-sharded (or plain) model from safetensors, each rank reading its slices
     inspect_checkpoint(path) -> report;  verify_checkpoint(path, *, threads, tensors) -> report
     diff_checkpoints(a, b, *, all_tensors=False) -> report

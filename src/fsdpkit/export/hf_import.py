@@ -10,10 +10,12 @@ so ranks may call it at different speeds. Everything is checked before the first
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,29 +63,94 @@ def _aliases(params: dict[str, torch.Tensor]) -> dict[str, list[str]]:
     return {n: names for names in by_id.values() for n in names}
 
 
-def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool = True,
+@dataclass
+class _Converted:
+    """File tensors that one transformers WeightConverter turns into model tensors (fused MoE
+    experts: many per-expert tensors on disk, one 3-D tensor in memory)."""
+
+    converter: Any  # a fresh transformers WeightConverter for this group
+    first: str  # the first target name (what `convert` is keyed by)
+    sources: dict[str, str] = field(default_factory=dict)  # file key -> the converter's source pattern it matched
+    targets: dict[str, list[int]] = field(default_factory=dict)  # model name -> the shape the conversion gives
+
+
+def _conversions(model: nn.Module) -> tuple[list[Any], list[Any], dict[str, Any]]:
+    """transformers' own renamings and converters for `model` (those `from_pretrained` applies,
+    legacy names included), or none for a model transformers did not build."""
+    if not hasattr(model, "base_model_prefix") or not hasattr(model, "config"):
+        return [], [], {}
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    mapping = get_model_conversion_mapping(model)
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    return renamings, converters, {pattern: c for c in converters for pattern in c.source_patterns}
+
+
+def _plan(model: nn.Module, index: dict[str, tuple[Any, torch.dtype, list[int]]],
+          params: dict[str, torch.Tensor]) -> tuple[dict[str, str], dict[str, _Converted], list[str]]:
+    """(model name -> file key for tensors read as they are, converted groups, file keys that
+    match no model tensor), by the rules `from_pretrained` follows."""
+    renamings, converters, by_pattern = _conversions(model)
+    if not renamings and not converters:
+        return {k: k for k in index if k in params}, {}, [k for k in index if k not in params]
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
+
+    prefix = getattr(model, "base_model_prefix", None) or None
+    direct: dict[str, str] = {}
+    groups: dict[str, _Converted] = {}
+    unmatched = []
+    for key in sorted(index, key=dot_natural_key):
+        name, pattern = rename_source_key(key, renamings, converters, prefix, params)
+        if name not in params and key in params:  # as from_pretrained: a key that needs no renaming
+            name, pattern = key, None
+        if name not in params:
+            unmatched.append(key)
+        elif pattern is None:
+            direct[name] = key
+        else:
+            group = groups.setdefault(name, _Converted(copy.deepcopy(by_pattern[pattern]), name))
+            group.converter.add_tensor(name, key, pattern, _meta(index[key]))
+            group.sources[key] = pattern
+    for group in groups.values():  # the shapes the conversion gives, computed on meta tensors
+        out = group.converter.convert(group.first, model=model, config=model.config)
+        group.targets = {k: list((v[0] if isinstance(v, list) else v).shape) for k, v in out.items()}
+    return direct, groups, unmatched
+
+
+def _meta(entry: tuple[Any, torch.dtype, list[int]]) -> torch.Tensor:
+    return torch.empty(entry[2], dtype=entry[1], device="meta")
+
+
+def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *,
                     rename: Callable[[str], str | None] | None = None, grow_rows: bool = False) -> dict[str, Any]:
     """Fill `model`'s parameters and persistent buffers from safetensors in `hf_dir`.
 
     Works on FSDP2-sharded models (each rank reads its own slices; call it on every rank) and
-    on plain modules. Non-persistent buffers (RoPE `inv_freq`) are not in the files: they are
-    recomputed afterwards. A tied weight absent from the file (transformers writes `lm_head`
-    once, as `model.embed_tokens.weight`) is filled from its twin.
+    on plain modules. File names and layouts are mapped to the model's by transformers' own
+    conversion rules (`get_model_conversion_mapping`: what `from_pretrained` applies, e.g. the
+    per-expert tensors of Mixtral or Qwen3-MoE fused into one 3-D tensor, GPT-NeoX's `embed_out`
+    as `lm_head`). A tensor read as it is costs each rank only its own rows; a tensor that a
+    converter builds from several file tensors is read whole, one at a time, then cut. Coverage
+    is proven both ways: every model tensor is loaded and every file tensor used, else nothing is
+    loaded. Non-persistent buffers (RoPE tables) are not in the files: they are recomputed
+    afterwards. A tied weight absent from the file (transformers writes `lm_head` once, as
+    `model.embed_tokens.weight`) is filled from its twin.
 
     Args:
         hf_dir: a Hugging Face folder (model.safetensors, or shards with an index) or one file.
-        strict: missing or unexpected keys are an error (otherwise reported and skipped).
         rename: maps a model name to the file's name for it, or to None for tensors the file
             does not hold by design (LoRA adapters: fsdpkit.model.peft.peft_base_name).
         grow_rows: a model tensor with more dim-0 rows than the file's (a vocabulary grown to a
             tokenizer) takes the file's rows as its first rows; the others keep their values.
     Returns:
-        {"loaded", "missing", "unexpected", "ignored", "files", "conversions", "bytes_read", "seconds"}
-        for this rank (`bytes_read` counts only its own slices).
+        {"loaded", "converted", "grown", "ignored", "files", "conversions", "bytes_read", "seconds"}
+        for this rank (`bytes_read` counts what it read).
     Raises:
         FileNotFoundError: no safetensors there.
-        CheckpointMismatchError: shape mismatches (always) or missing/unexpected keys (strict),
-            listing every key; nothing has been modified then.
+        CheckpointMismatchError: shape mismatches, model tensors the folder lacks or folder tensors
+            the model lacks, listing every one; nothing has been modified then.
     """
     t0 = time.perf_counter()
     hf_dir = open_storage(hf_dir)  # a local folder, or an fsspec URL read by ranged GETs
@@ -92,13 +159,22 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
     index = _file_index(hf_dir)
     params = _model_tensors(model, rename)
     aliases = _aliases(params)
+    direct, groups, unmatched = _plan(model, index, params)
+    converted = {name: group for group in groups.values() for name in group.targets}
     plan: dict[str, str] = {}  # model name -> file key
     missing, mismatched = [], []
     grown: dict[str, int] = {}  # model name -> the file's rows (fewer than the model's)
     for name, t in params.items():
-        source = next((a for a in [name, *aliases.get(name, [])] if a in index), None)
+        if name in converted:
+            shape = converted[name].targets[name]
+            if shape != list(t.shape):
+                mismatched.append(f"{name}: {len(converted[name].sources)} file tensors give {shape} "
+                                  f"({next(iter(converted[name].sources))}, ...), model {list(t.shape)}")
+            continue
+        source = next((direct[a] for a in [name, *aliases.get(name, [])] if a in direct), None)
         if source is None:
-            missing.append(f"{name} {list(t.shape)}")
+            if not any(a in converted for a in aliases.get(name, [])):
+                missing.append(f"{name} {list(t.shape)}")
             continue
         shape = index[source][2]
         if grow_rows and len(shape) == t.ndim and shape[1:] == list(t.shape[1:]) and 0 < shape[0] < t.shape[0]:
@@ -107,24 +183,28 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
             mismatched.append(f"{name}: file {shape} ({index[source][0].name}), model {list(t.shape)}")
             continue
         plan[name] = source
-    used = set(plan.values())
-    ignored = sorted(k for k in index if k not in used and k.endswith(IGNORED_FILE_KEYS))
-    unexpected = sorted(k for k in index if k not in used and k not in ignored and k not in params)
+    ignored = sorted(k for k in unmatched if k.endswith(IGNORED_FILE_KEYS))
+    unexpected = sorted(k for k in unmatched if k not in ignored)
     problems = [f"  shape differs: {m}" for m in mismatched]
-    if strict:
-        problems += [f"  missing from {hf_dir.name}: {m}" for m in missing]
-        problems += [f"  not in the model: {u} {index[u][2]}" for u in unexpected]
+    problems += [f"  missing from {hf_dir.name}: {m}" for m in missing]
+    problems += [f"  not in the model: {u} {index[u][2]}" for u in unexpected]
     if problems:
         raise CheckpointMismatchError(
             f"{hf_dir} does not fit {type(model).__name__} ({len(problems)} problem(s)); nothing was loaded:\n"
             + "\n".join(problems[:60]) + ("\n  ..." if len(problems) > 60 else "")
-            + "\ncheck the model config against the folder's config.json" + ("" if not strict else ", or pass strict=False to skip "
-                                                                            "missing/unexpected keys")
+            + "\ncheck that the model config is the folder's config.json (model.path builds the model from it); a "
+              "tensor the model does not have, or lacks, would be left untrained or random"
         )
     conversions: Counter[str] = Counter()
     bytes_read = 0
     handles: dict[Path, Any] = {}
-    from safetensors import safe_open
+
+    def handle(file: Path) -> Any:
+        if file not in handles:
+            from safetensors import safe_open
+
+            handles[file] = RemoteSafetensors(file) if isinstance(file, RemotePath) else safe_open(str(file), framework="pt")
+        return handles[file]
 
     done: set[int] = set()
     with torch.no_grad():
@@ -133,9 +213,6 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
             if id(target) in done:  # the second name of a tied weight
                 continue
             done.add(id(target))
-            file = index[source][0]
-            if file not in handles:
-                handles[file] = RemoteSafetensors(file) if isinstance(file, RemotePath) else safe_open(str(file), framework="pt")
             local, piece = _local_piece(target)
             if name in grown:  # only the rows the file has: [0, its rows) of the global tensor
                 stop = min(piece[0].stop, grown[name])
@@ -143,16 +220,33 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *, strict: bool
                 piece = (slice(piece[0].start, max(piece[0].start, stop)), *piece[1:])
             if local.numel() == 0:
                 continue
-            values = handles[file].get_tensor(source) if not piece else handles[file].get_slice(source)[piece]
+            file = handle(index[source][0])
+            values = file.get_tensor(source) if not piece else file.get_slice(source)[piece]
             bytes_read += values.numel() * values.element_size()
             if values.dtype != local.dtype:
                 conversions[f"{dtype_name(values.dtype)}->{dtype_name(local.dtype)}"] += 1
             local.copy_(values.reshape(local.shape))
+        for group in groups.values():
+            for key in group.sources:
+                bytes_read += math.prod(index[key][2]) * index[key][1].itemsize
+            tensors: dict[str, list[torch.Tensor]] = {}  # in the planned (transformers') order
+            for key, pattern in group.sources.items():
+                tensors.setdefault(pattern, []).append(handle(index[key][0]).get_tensor(key))
+            group.converter.collected_tensors = tensors
+            out = group.converter.convert(group.first, model=model, config=model.config)
+            for name, values in out.items():
+                values = values[0] if isinstance(values, list) else values
+                local, piece = _local_piece(params[name])
+                if values.dtype != local.dtype:
+                    conversions[f"{dtype_name(values.dtype)}->{dtype_name(local.dtype)}"] += 1
+                if local.numel():
+                    local.copy_(values[piece] if piece else values)
     handles.clear()
     reset_nonpersistent_buffers(model)
-    return {"loaded": len(plan), "grown": grown, "missing": missing, "unexpected": unexpected, "ignored": ignored,
-            "files": sorted({str(index[s][0]) for s in plan.values()}), "conversions": dict(conversions),
-            "bytes_read": bytes_read, "seconds": time.perf_counter() - t0}
+    return {"loaded": len(plan) + len(converted), "converted": {n: list(g.sources) for n, g in converted.items()},
+            "grown": grown, "ignored": ignored,
+            "files": sorted({str(index[s][0]) for s in [*plan.values(), *(k for g in groups.values() for k in g.sources)]}),
+            "conversions": dict(conversions), "bytes_read": bytes_read, "seconds": time.perf_counter() - t0}
 
 
 class RemoteSafetensors:

@@ -19,7 +19,7 @@ def build_model(cfg: ModelConfig) -> nn.Module:
         return LlamaForCausalLM(LlamaArgs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(LlamaArgs)}))
     from fsdpkit.model.hf import build_hf_model
 
-    model = build_hf_model(cfg.hf_config)
+    model = build_hf_model(cfg)
     if cfg.peft.method == "lora":
         from fsdpkit.model.peft import apply_lora
 
@@ -38,7 +38,11 @@ def param_init_std(model: nn.Module) -> Callable[[str], float | None] | None:
 
 def grow_vocab(cfg: ModelConfig, size: int) -> bool:
     """Set the model config's vocabulary to `size` if that is larger; returns whether it grew."""
-    current = int(cfg.hf_config.get("vocab_size", cfg.vocab_size)) if cfg.kind == "hf" else cfg.vocab_size
+    if cfg.kind == "hf" and "vocab_size" not in cfg.hf_config:
+        from fsdpkit.model.hf import hf_config
+
+        cfg.hf_config["vocab_size"] = hf_config(cfg)[0].vocab_size
+    current = int(cfg.hf_config["vocab_size"]) if cfg.kind == "hf" else cfg.vocab_size
     if size <= current:
         return False
     cfg.vocab_size = size
@@ -61,14 +65,16 @@ def vocab_size(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def reset_nonpersistent_buffers(model: nn.Module) -> None:
-    """Recompute buffers that are not in the state dict (RoPE tables) after to_empty()."""
+def reset_nonpersistent_buffers(model: nn.Module, *, leave_to_model: frozenset[int] = frozenset()) -> None:
+    """Give every buffer the value the model's construction gives it, after to_empty() (RoPE
+    tables, embedding scales, ...), and the parameters in `leave_to_model` (ids; transformers
+    models only) what the model's own init gives them; no other parameter is touched."""
     if isinstance(model, LlamaForCausalLM):
         model.reset_nonpersistent_buffers()
     else:
-        from fsdpkit.model.hf import reset_hf_nonpersistent_buffers
+        from fsdpkit.model.hf import init_hf_buffers
 
-        reset_hf_nonpersistent_buffers(model)
+        init_hf_buffers(model, leave_to_model=leave_to_model)
 
 
 def logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -146,6 +146,8 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    _no_split_modules = ("LlamaDecoderLayer",)  # what policy `auto` wraps, as for transformers models
+
     def __init__(self, args: LlamaArgs):
         super().__init__()
         self.args = args

@@ -22,8 +22,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdpkit import dist
+from fsdpkit.log import get_logger
 from fsdpkit.config.schema import Config
 from fsdpkit.model import build_model, init_std, param_init_std, reset_nonpersistent_buffers
+from fsdpkit.model.hf import is_hf_model
 from fsdpkit.parallel.init import init_weights
 from fsdpkit.parallel.policies import (
     matching_modules,
@@ -32,6 +34,9 @@ from fsdpkit.parallel.policies import (
     offload_policy,
     reshard_after_forward,
 )
+
+
+log = get_logger("parallel")
 
 
 @dataclass
@@ -69,6 +74,7 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
     if not units:
         raise ValueError("policy.auto_wrap_policy is empty; name the decoder-layer class, e.g. "
                          "fsdpkit.model.llama.LlamaDecoderLayer")
+    warn_if_root_heavy(model, units, policy=pol.auto_wrap_policy)
     ac = matching_modules(model, pol.activation_checkpointing_policy, setting="policy.activation_checkpointing_policy")
     for _, module in ac:
         checkpoint(module)
@@ -107,6 +113,19 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
     )
 
 
+def warn_if_root_heavy(model: nn.Module, units: list[tuple[str, nn.Module]], *, policy: list[str]) -> None:
+    """Warn when the wrap policy leaves most parameters in the root unit: the root's parameters
+    are all-gathered whole for the whole forward and backward, so its memory does not shard."""
+    total = sum(p.numel() for p in model.parameters())
+    in_units = {id(p): p.numel() for _, unit in units for p in unit.parameters()}
+    root = total - sum(in_units.values())
+    if total and root / total > 0.5 and dist.is_main():
+        log.warning("policy.auto_wrap_policy=%s leaves %.0f%% of the parameters (%s of %s) in the root FSDP unit, which "
+                    "is gathered whole for every forward and backward: name the model's block class (the decoder "
+                    "layer) so that each block is its own unit (%d units now: %s)", policy, 100 * root / total,
+                    f"{root:,}", f"{total:,}", len(units), ", ".join(sorted({type(u).__name__ for _, u in units})))
+
+
 def materialize(model: nn.Module, *, device: torch.device, seed: int, cpu_offload: bool = False, init: bool = True) -> None:
     """Allocate the sharded model and initialise it, identically at any world size.
 
@@ -114,9 +133,11 @@ def materialize(model: nn.Module, *, device: torch.device, seed: int, cpu_offloa
     still belong on the compute device.
     """
     model.to_empty(device="cpu" if cpu_offload else device)
+    left: set[int] = set()
     if init:
-        init_weights(model, seed=seed, std=init_std(model), std_of=param_init_std(model))
-    reset_nonpersistent_buffers(model)
+        left = init_weights(model, seed=seed, std=init_std(model), std_of=param_init_std(model),
+                            leave_to_model=is_hf_model(model))
+    reset_nonpersistent_buffers(model, leave_to_model=frozenset(left))
     if cpu_offload:
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):

@@ -56,14 +56,26 @@ def _is_norm(module: nn.Module) -> bool:
 
 @torch.no_grad()
 def init_weights(model: nn.Module, *, seed: int, std: float,
-                 std_of: Callable[[str], float | None] | None = None) -> None:
-    """Initialise every parameter deterministically from (seed, name): normal(0, std) for
-    linear and embedding weights, ones for norm weights, zeros for biases. `std_of(fqn)`, when
-    it returns a number, overrides that: normal(0, that std), or zeros for 0 (LoRA adapters).
+                 std_of: Callable[[str], float | None] | None = None,
+                 leave_to_model: bool = False) -> set[int]:
+    """Initialise parameters deterministically from (seed, name): normal(0, std) for every
+    parameter of two or more dimensions (linear, embedding, GPT-2's Conv1D, fused MoE experts,
+    routers), ones for norm weights, zeros for biases. `std_of(fqn)`, when it returns a number,
+    overrides that: normal(0, that std), or zeros for 0 (LoRA adapters).
+
+    With `leave_to_model` (transformers models), norm weights, biases and every other 1-D parameter
+    are left alone: their values are constants that the model's own `_init_weights` decides (Gemma's
+    norms start at 0, since they scale by 1 + weight), see fsdpkit.model.hf.init_hf_buffers.
 
     Works on plain tensors and on FSDP2 DTensor shards alike (tied weights are visited once).
+    Returns:
+        The ids of the parameters left to the model.
+    Raises:
+        NotImplementedError: without `leave_to_model`, a 1-D parameter that is neither a bias nor a
+            norm weight (no rule says what it should start at).
     """
     seen: set[int] = set()
+    left: set[int] = set()
     for mod_name, module in model.named_modules():
         for p_name, param in module.named_parameters(recurse=False):
             if id(param) in seen:
@@ -74,19 +86,22 @@ def init_weights(model: nn.Module, *, seed: int, std: float,
             special = std_of(fqn) if std_of is not None else None
             if special == 0.0:
                 local.zero_()
-            elif special is not None:
+            elif special is not None or param.ndim >= 2:
                 if local.numel():
-                    local.copy_(_rows(fqn, seed=seed, shape=param.shape, start=row0, stop=row0 + local.shape[0], std=special))
+                    rows = _rows(fqn, seed=seed, shape=param.shape, start=row0, stop=row0 + local.shape[0],
+                                 std=std if special is None else special)
+                    local.copy_(rows)
+            elif leave_to_model:
+                left.add(id(param))
             elif p_name == "bias":
                 local.zero_()
             elif _is_norm(module):
                 local.fill_(1.0)
-            elif isinstance(module, (nn.Linear, nn.Embedding)):
-                if local.numel():
-                    values = _rows(fqn, seed=seed, shape=param.shape, start=row0, stop=row0 + local.shape[0], std=std)
-                    local.copy_(values)
             else:
                 raise NotImplementedError(
-                    f"no deterministic init rule for parameter {fqn!r} of {type(module).__name__}; "
-                    "add one to fsdpkit.parallel.init"
+                    f"no deterministic init rule for parameter {fqn!r} ({list(param.shape)}) of {type(module).__name__}: "
+                    "fsdpkit draws every matrix from the seed and starts biases at 0 and norm weights at 1, but "
+                    "cannot tell what this 1-D parameter should start at. Start from trained weights instead "
+                    "(model.path or model.init_from=hf:DIR)"
                 )
+    return left

@@ -11,6 +11,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 
 from fsdpkit.config.schema import StrategyConfig
 
+AUTO = "auto"  # a policy entry: the model's own block classes (_no_split_modules)
 PRESETS: dict[str, MixedPrecisionPolicy] = {
     "fp32": MixedPrecisionPolicy(),
     # bf16 compute, fp32 gradient reduction, fp32 outputs; buffers are never cast by FSDP2.
@@ -31,8 +32,25 @@ def import_class(path: str, *, setting: str) -> type:
     return cls
 
 
+def auto_classes(model: nn.Module, *, setting: str) -> list[type]:
+    """The classes the model names in `_no_split_modules` (its decoder layers: what transformers and
+    Accelerate keep whole), as found among its modules.
+
+    Raises:
+        ValueError: the model names none, or none of them is among its modules.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = list({type(m): None for m in model.modules() if type(m).__name__ in names})
+    if not found:
+        raise ValueError(f"{setting}=auto: {type(model).__name__} names no block class in _no_split_modules "
+                         f"({sorted(names) or 'none'}) that is among its modules; give the decoder-layer class as a "
+                         "dotted path, e.g. transformers.models.llama.modeling_llama.LlamaDecoderLayer")
+    return found
+
+
 def matching_modules(model: nn.Module, paths: list[str], *, setting: str) -> list[tuple[str, nn.Module]]:
-    """Modules of the model that are instances of any listed class, in definition order.
+    """Modules of the model that are instances of any listed class, in definition order. `auto`
+    in the list stands for the model's own block classes (`auto_classes`).
 
     Raises:
         ValueError: the list is non-empty and matches nothing; names what was looked for and
@@ -40,7 +58,8 @@ def matching_modules(model: nn.Module, paths: list[str], *, setting: str) -> lis
     """
     if not paths:
         return []
-    classes = tuple(import_class(p, setting=setting) for p in paths)
+    classes = tuple(c for p in paths
+                    for c in (auto_classes(model, setting=setting) if p == AUTO else [import_class(p, setting=setting)]))
     found = [(name, m) for name, m in model.named_modules() if name and isinstance(m, classes)]
     if not found:
         have = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})

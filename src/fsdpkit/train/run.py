@@ -35,23 +35,47 @@ SUMMARY_FILE = "summary.json"
 log = get_logger("train")
 
 
-def precision_note(cfg: Config, plan: ShardingPlan) -> str:
+def precision_note(cfg: Config, plan: ShardingPlan, model: torch.nn.Module) -> str:
+    """What governs each dtype, read off the policy FSDP2 applied and the model's own tensors."""
     mp = plan.mp_policy
+    masters = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    trained = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad}) or masters
 
-    def name(dtype: torch.dtype | None) -> str:
-        return "param dtype (fp32)" if dtype is None else str(dtype).removeprefix("torch.")
+    def name(dtype: torch.dtype | None, fallback: str) -> str:
+        return fallback if dtype is None else str(dtype).removeprefix("torch.")
 
-    return (
-        f"precision: policy.mixed_precision={cfg.policy.mixed_precision!r} (FSDP2 MixedPrecisionPolicy) governs "
-        f"params in forward/backward ({name(mp.param_dtype)}), gradient reduction ({name(mp.reduce_dtype)}) and "
-        f"outputs ({name(mp.output_dtype)}); master weights and optimizer state stay fp32; no autocast is applied"
-    )
+    note = (f"precision: policy.mixed_precision={cfg.policy.mixed_precision!r} (FSDP2 MixedPrecisionPolicy) governs "
+            f"params in forward/backward ({name(mp.param_dtype, '/'.join(masters))}), gradient reduction "
+            f"({name(mp.reduce_dtype, '/'.join(masters))}) and outputs ({name(mp.output_dtype, 'as computed')}); "
+            f"master weights are {'/'.join(masters)} (the sharded parameters) and AdamW state {'/'.join(trained)} "
+            "(created like the trained parameters); no autocast is applied")
+    stored = (cfg.model.hf_config or {}).get("dtype") or (cfg.model.hf_config or {}).get("torch_dtype")
+    if cfg.model.path and stored and stored != "float32":
+        note += (f". {cfg.model.path}/config.json's dtype {stored} is how the folder stores its weights; they are "
+                 "converted to the master dtype on load (policy.mixed_precision=bf16-mixed computes in bf16)")
+    return note
+
+
+def resolve_model_config(cfg: Config) -> None:
+    """With model.path: record in model.hf_config the whole config the run trains with (the
+    folder's config.json as transformers reads it, with model.hf_config's fields over it, each
+    one logged). Idempotent: a recorded config changes nothing when resolved again."""
+    if cfg.model.kind != "hf" or not cfg.model.path:
+        return
+    from fsdpkit.model.hf import hf_config
+
+    config, changed = hf_config(cfg.model)
+    for line in changed:
+        log.info("model.hf_config overrides %s/config.json: %s", cfg.model.path, line)
+    cfg.model.hf_config = config.to_dict()
 
 
 def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: bool = True) -> tuple[Trainer, ShardingPlan]:
     """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
     check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
-    init_from = cfg.model.init_from.removeprefix("hf:") if init else ""
+    resolve_model_config(cfg)
+    init_from = (cfg.model.path if cfg.model.pretrained else "") or cfg.model.init_from.removeprefix("hf:")
+    init_from = init_from if init else ""
     lora = cfg.model.peft.method == "lora"
     grown = resize_vocab_to_tokenizer(cfg)
     # LoRA adapters and grown vocabulary rows are not in the base model's folder: they get their
@@ -61,7 +85,7 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
         loaded = load_hf_weights(model, init_from, rename=peft_base_name if lora else None, grow_rows=grown)
         log.info("initialised %d tensors from %s in %.2f s (rank 0 read %.1f MiB: its own slices)",
                  loaded["loaded"], init_from, loaded["seconds"], loaded["bytes_read"] / 2**20)
-    log.info(precision_note(cfg, plan))
+    log.info(precision_note(cfg, plan, model))
     optimizer = build_optimizer(model, cfg.optim, device=device)
     d = cfg.diagnostics
     diagnostics = start_diagnostics(model, optimizer, device=device, run_dir=run_dir, enabled=d.enabled,
@@ -138,7 +162,8 @@ def run(cfg: Config) -> dict[str, Any]:
     peers = dist.new_peer_group(timeout_s=cfg.checkpoint.exception_timeout_s)
     try:
         seed_everything(cfg.seed, rank=dist.rank())
-        resize_vocab_to_tokenizer(cfg)  # before config.yaml is written: it records the grown size
+        resolve_model_config(cfg)  # before config.yaml is written: it records the config trained with
+        resize_vocab_to_tokenizer(cfg)  # likewise the grown size
         run_dir = Path(cfg.run_dir)
         dist.on_main(lambda: check_directories(cfg))  # every rank stops here, with rank 0's message
         if dist.is_main():
