@@ -30,7 +30,9 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "gemma3_text": dict(_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=32, sliding_window_pattern=2,
                         layer_types=["sliding_attention", "full_attention"]),
     "phi3": dict(_COMMON, tie_word_embeddings=False),
-    "gpt2": dict(_IDS, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    # GPT-2's dropout is off here: the loss of a training-mode forward with dropout is random.
+    "gpt2": dict(_IDS, vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0,
+                 embd_pdrop=0.0, attn_pdrop=0.0),
     "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
     "qwen3_moe": dict(_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),

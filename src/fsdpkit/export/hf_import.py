@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -82,7 +83,13 @@ def _conversions(model: nn.Module) -> tuple[list[Any], list[Any], dict[str, Any]
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-    mapping = get_model_conversion_mapping(model)
+    wrapped = type(model)
+    if isinstance(model, FSDPModule):  # fully_shard made the class FSDP<Name>: transformers looks rules up by name
+        model.__class__ = next(c for c in wrapped.__mro__[1:] if c is not FSDPModule and not issubclass(c, FSDPModule))
+    try:
+        mapping = get_model_conversion_mapping(model)
+    finally:
+        model.__class__ = wrapped
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     return renamings, converters, {pattern: c for c in converters for pattern in c.source_patterns}

@@ -56,7 +56,7 @@ def precision_note(cfg: Config, plan: ShardingPlan, model: torch.nn.Module) -> s
     return note
 
 
-def resolve_model_config(cfg: Config) -> None:
+def resolve_model_config(cfg: Config, *, log_overrides: bool = False) -> None:
     """With model.path: record in model.hf_config the whole config the run trains with (the
     folder's config.json as transformers reads it, with model.hf_config's fields over it, each
     one logged). Idempotent: a recorded config changes nothing when resolved again."""
@@ -65,7 +65,7 @@ def resolve_model_config(cfg: Config) -> None:
     from fsdpkit.model.hf import hf_config
 
     config, changed = hf_config(cfg.model)
-    for line in changed:
+    for line in changed if log_overrides else ():
         log.info("model.hf_config overrides %s/config.json: %s", cfg.model.path, line)
     cfg.model.hf_config = config.to_dict()
 
@@ -158,11 +158,32 @@ def run(cfg: Config) -> dict[str, Any]:
     dist.init_process_group(backend=dist.pick_backend(cfg.backend, device.type), timeout_s=cfg.dist.timeout_s)
     setup_logging(cfg.log_level)
     dist.start_watchdog(heartbeat_s=cfg.dist.heartbeat_s, slow_step_factor=cfg.dist.slow_step_factor)
-    trainer, failed, found = None, True, None
+    failed = True
     peers = dist.new_peer_group(timeout_s=cfg.checkpoint.exception_timeout_s)
     try:
+        summary = train(cfg, device=device)
+        failed = False
+    except Exception as e:
+        if dist.lost_a_peer(e):
+            report_lost_peers(peers, timeout_s=cfg.checkpoint.exception_timeout_s)
+        raise
+    finally:
+        main = dist.is_main()
+        # After a failure another rank may be dead or stuck in a collective: no barrier then.
+        dist.shutdown(barrier=not failed)
+    finished = summary.get("last_step") == cfg.train.max_steps and not summary.get("stopped_by")
+    if cfg.export.on_finish and finished and main:
+        export_final(cfg)  # after the teardown: no rank waits on it
+    return summary
+
+
+def train(cfg: Config, *, device: torch.device) -> dict[str, Any]:
+    """One run on this rank, in the process group that exists: build, resume or initialise, fit.
+    Returns the summary (rank 0 also writes it to the run directory)."""
+    trainer, found = None, None
+    try:
         seed_everything(cfg.seed, rank=dist.rank())
-        resolve_model_config(cfg)  # before config.yaml is written: it records the config trained with
+        resolve_model_config(cfg, log_overrides=True)  # before config.yaml is written: it records the config trained with
         resize_vocab_to_tokenizer(cfg)  # likewise the grown size
         run_dir = Path(cfg.run_dir)
         dist.on_main(lambda: check_directories(cfg))  # every rank stops here, with rank 0's message
@@ -176,29 +197,17 @@ def run(cfg: Config) -> dict[str, Any]:
         attach_checkpointer(trainer, cfg, plan, groups=groups).resume(found)
         summary = trainer.fit(stop_at=cfg.train.stop_at or None)
         trainer.metrics.close()
-        trainer = None  # drop model and optimizer before teardown (see dist.shutdown)
         if dist.is_main():
             (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
             log.info("done: %s", json.dumps(summary))
             log.info("run directory: %s (metrics: %s)", run_dir.resolve(), (run_dir / METRICS_FILE).resolve())
-        failed = False
-    except Exception as e:
-        if dist.lost_a_peer(e):
-            report_lost_peers(peers, timeout_s=cfg.checkpoint.exception_timeout_s)
-        raise
+        return summary
     finally:
         if trainer is not None and trainer.checkpointer is not None:
             trainer.checkpointer.close(wait=False)  # the lock and signal handlers (a no-op after fit)
         elif found is not None and found.lock is not None:
             found.lock.release()  # the kernel would at exit; a caller that runs again in-process needs it now
-        trainer = None
-        main = dist.is_main()
-        # After a failure another rank may be dead or stuck in a collective: no barrier then.
-        dist.shutdown(barrier=not failed)
-    finished = summary.get("last_step") == cfg.train.max_steps and not summary.get("stopped_by")
-    if cfg.export.on_finish and finished and main:
-        export_final(cfg)  # after the teardown: no rank waits on it
-    return summary
+        trainer = None  # drop model and optimizer before teardown (see dist.shutdown)
 
 
 def report_lost_peers(group: Any, *, timeout_s: float) -> None:

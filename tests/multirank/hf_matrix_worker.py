@@ -1,0 +1,115 @@
+"""Runs on 2 gloo ranks under torchrun: for each Hugging Face folder given, trains it from
+`model=hf model.path=DIR` through fsdpkit's own run (fsdpkit.train.run.train, what `fsdpkit train`
+runs in each rank), resumes it from its step-2 checkpoint, exports it, and records what the tests
+compare with transformers itself. Usage: hf_matrix_worker.py OUT.json RUNS_DIR ARCH=DIR [ARCH=DIR ...]
+(an ARCH ending in `+lora` trains LoRA adapters instead)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as tdist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fsdpkit import dist  # noqa: E402
+from fsdpkit.checkpoint.manager import CheckpointGroups, find_checkpoint  # noqa: E402
+from fsdpkit.config import compose_config  # noqa: E402
+from fsdpkit.data import GlobalSampler, build_datasets  # noqa: E402
+from fsdpkit.model import logits as model_logits  # noqa: E402
+from fsdpkit.train.determinism import enable_determinism  # noqa: E402
+from fsdpkit.train.metrics import read_records  # noqa: E402
+from fsdpkit.train.run import attach_checkpointer, build_trainer, train  # noqa: E402
+from hf_folders import reference_model  # noqa: E402
+
+BASE = ["model=hf", "deterministic=true", "train.max_steps=3", "train.global_batch_size=4", "train.micro_batch_size=2",
+        "data.seq_len=32", "data.num_samples=64", "train.eval_every=0", "train.eval_samples=4", "train.progress=false",
+        "optim.warmup_steps=1", "optim.lr=1e-3", "checkpoint.every_steps=2", "diagnostics.memory_steps=0"]
+LORA = ["model.peft.method=lora", "model.peft.r=4", "model.peft.alpha=8"]
+CPU = torch.device("cpu")
+
+
+def first_batch(cfg) -> torch.Tensor:
+    """The global batch of step 1 as token ids [B, L+1], from the run's own data and order."""
+    data, _ = build_datasets(cfg.data, vocab_size=512, seed=cfg.seed)
+    sampler = GlobalSampler(num_samples=len(data), global_batch_size=cfg.train.global_batch_size, seed=cfg.seed,
+                            shuffle=cfg.data.shuffle, fingerprint=getattr(data, "fingerprint", ""))
+    inputs, targets = data.labeled_batch(sampler.next_global_batch())
+    return torch.cat([inputs, targets[:, -1:]], dim=1)
+
+
+def trained_model(cfg, ckpt: Path):
+    """fsdpkit's model as it resumes from `ckpt` (sharded, on every rank)."""
+    trainer, plan = build_trainer(cfg, device=CPU, run_dir=Path(cfg.run_dir), init=False)
+    groups = CheckpointGroups.create(cfg.checkpoint)
+    found = find_checkpoint(cfg.checkpoint, group=groups.sync)
+    assert found.path is not None and Path(found.path).name == ckpt.name, found.path
+    attach_checkpointer(trainer, cfg, plan, groups=groups).resume(found)
+    trainer.checkpointer.close(wait=False)
+    return trainer
+
+
+def one(arch: str, folder: Path, runs: Path) -> dict:
+    lora = arch.endswith("+lora")
+    extra = LORA + [f"model.peft.target_modules={'[c_attn]' if arch.startswith('gpt2') else '[q_proj,v_proj]'}"] if lora else []
+    args = BASE + extra + [f"model.path={folder}"]
+    out: dict = {}
+    full = compose_config(args + [f"run_dir={runs / arch / 'full'}"])
+    train(full, device=CPU)
+    tdist.barrier()
+    resumed = compose_config(args + [f"run_dir={runs / arch / 'resumed'}",
+                                     f"checkpoint.resume={runs / arch / 'full' / 'checkpoints' / 'step_2'}"])
+    train(resumed, device=CPU)
+    tdist.barrier()
+    again = compose_config(args + [f"run_dir={runs / arch / 'full'}"])
+    trainer = trained_model(again, runs / arch / "full" / "checkpoints" / "step_3")
+    model = trainer.model.eval()
+    batch = first_batch(full)
+    with torch.no_grad():
+        logits = model_logits(model, batch[:, :-1]).float()  # [B, L, V], every rank runs the forward
+    ref = reference_model(folder)
+    if dist.is_main():
+        records = {name: read_records(runs / arch / name) for name in ("full", "resumed")}
+        out["loss"] = [r["loss"] for r in records["full"]]
+        out["grad_norm"] = [r["grad_norm"] for r in records["full"]]
+        out["resumed"] = [(r["step"], r["loss"], r["grad_norm"]) for r in records["resumed"]]
+        out["resume_events"] = [json.loads(line) for line in open(runs / arch / "resumed" / "metrics.jsonl")
+                                if '"event": "resume"' in line]
+        with torch.no_grad():  # transformers' own loss of step 1's batch: labels shift inside
+            out["reference_loss"] = float(ref(input_ids=batch, labels=batch).loss)
+        mine = dict(model.named_buffers())
+        out["buffers"] = {name: bool(name in mine and mine[name].shape == b.shape and torch.equal(mine[name], b))
+                          for name, b in ref.named_buffers()}
+        out["buffers_extra"] = sorted(set(mine) - {n for n, _ in ref.named_buffers()})
+        out["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+        torch.save(logits, runs / arch / "trained_logits.pt")
+        torch.save(batch, runs / arch / "batch.pt")
+        out["attn"] = ref.config._attn_implementation
+        out["mine_attn"] = model.config._attn_implementation
+    del trainer, model
+    tdist.barrier()
+    return out
+
+
+def main() -> None:
+    out_path, runs = Path(sys.argv[1]), Path(sys.argv[2])
+    enable_determinism()
+    dist.init_process_group(backend="gloo")
+    results = {}
+    for spec in sys.argv[3:]:
+        arch, folder = spec.split("=", 1)
+        results[arch] = one(arch, Path(folder), runs)
+    if dist.is_main():
+        out_path.write_text(json.dumps(results))
+    tdist.barrier()
+    tdist.destroy_process_group()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
