@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_defaults_compose_and_validate():
     cfg = compose_config()
     assert cfg.strategy.sharding_strategy == "FULL_SHARD"
-    assert cfg.policy.auto_wrap_policy == ["fsdpkit.model.llama.LlamaDecoderLayer"]
+    assert cfg.policy.auto_wrap_policy == ["auto"]
     assert cfg.run_dir == "runs/default"  # interpolation resolved
 
 
