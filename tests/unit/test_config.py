@@ -74,6 +74,41 @@ def test_bad_config_names_the_key(override, message):
         compose_config([override])
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "expected"),
+    [
+        ("data.files=chat.jsonl", "data.files", ["chat.jsonl"]),
+        ("data.val_files=val/*.jsonl", "data.val_files", ["val/*.jsonl"]),
+        ("model.peft.target_modules=q_proj", "model.peft.target_modules", ["q_proj"]),
+        ("policy.activation_checkpointing_policy=a.B", "policy.activation_checkpointing_policy", ["a.B"]),
+        ("checkpoint.preemption_signals=SIGUSR1", "checkpoint.preemption_signals", ["SIGUSR1"]),
+        ("data.files=[a.jsonl,b.jsonl]", "data.files", ["a.jsonl", "b.jsonl"]),
+    ],
+)
+def test_one_value_for_a_list_key_becomes_a_one_item_list(override, key, expected):
+    cfg = compose_config([override])
+    section, _, name = key.rpartition(".")
+    node = cfg
+    for part in section.split("."):
+        node = getattr(node, part)
+    assert getattr(node, name) == expected
+
+
+def test_one_value_in_an_experiment_file_becomes_a_list_and_interpolations_stay(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "one_file.yaml").write_text(
+        "# @package _global_\ndata:\n  files: chat.jsonl\n  val_files: ${data.files}\n")
+    cfg = compose_config(["experiment=one_file"], config_dirs=[str(tmp_path)])
+    assert cfg.data.files == ["chat.jsonl"] and cfg.data.val_files == ["chat.jsonl"]
+
+
+@pytest.mark.parametrize("override", ["optim.betas=0.9", "policy.auto_wrap_policy=5"])
+def test_one_value_for_another_list_key_shows_the_list_syntax(override):
+    key = override.split("=", 1)[0]
+    with pytest.raises(ValueError, match=rf"config key '{key}' takes a list, got .*; write a list: {key}=\[a,b\]"):
+        compose_config([override])
+
+
 def test_batch_must_divide_world_times_micro_batch():
     cfg = compose_config(["train.global_batch_size=16", "train.micro_batch_size=4"])
     assert accumulation_steps(cfg, 2) == 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -35,6 +35,10 @@ CONF_DIR = Path(__file__).parent / "conf"
 PRIMARY = "config"
 SCHEMA_NODE = "fsdpkit_schema"  # conf/config.yaml's first default: every key exists, typed
 ASYNC_ALIAS = "async"
+# List keys that users often give one value (`data.files=chat.jsonl`): a lone string becomes a
+# one-item list. A lone value for any other list key is refused with the list syntax.
+ONE_VALUE_LISTS = frozenset({"data.files", "data.val_files", "model.peft.target_modules", "policy.auto_wrap_policy",
+                             "policy.activation_checkpointing_policy", "checkpoint.preemption_signals"})
 
 
 def _register_schema() -> None:
@@ -86,6 +90,7 @@ def to_typed(raw: DictConfig) -> Config:
             alias = checkpoint.pop(ASYNC_ALIAS)
             if alias is not None:
                 checkpoint.async_save = alias
+    _lists_from_single_values(raw, schema)
     try:
         merged = OmegaConf.merge(schema, raw)
         OmegaConf.resolve(merged)
@@ -98,6 +103,32 @@ def to_typed(raw: DictConfig) -> Config:
     cfg: Config = OmegaConf.to_object(merged)
     validate(cfg)
     return cfg
+
+
+def _list_keys(defaults: dict, prefix: str = "") -> Iterator[str]:
+    """Dotted keys of the list-typed fields in a container of the schema's defaults."""
+    for name, value in defaults.items():
+        if isinstance(value, list):
+            yield f"{prefix}{name}"
+        elif isinstance(value, dict):
+            yield from _list_keys(value, f"{prefix}{name}.")
+
+
+def _lists_from_single_values(raw: DictConfig, schema: DictConfig) -> None:
+    """Wrap a lone string given for a ONE_VALUE_LISTS key into a one-item list, in place; refuse a
+    lone value for any other list key with a ValueError that shows how to write a list."""
+    values = OmegaConf.to_container(raw, resolve=False)  # interpolations stay as written
+    for key in _list_keys(OmegaConf.to_container(schema, resolve=False)):
+        value = values
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        # None is left to the merge (it says the key is not optional); `${...}` may resolve to a list
+        if value is None or isinstance(value, list) or (isinstance(value, str) and value.startswith("${")):
+            continue
+        if key in ONE_VALUE_LISTS and isinstance(value, str):
+            OmegaConf.update(raw, key, [value], merge=False)
+        else:
+            raise ValueError(f"config key '{key}' takes a list, got {value!r}; write a list: {key}=[a,b]")
 
 
 def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
