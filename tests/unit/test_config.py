@@ -86,7 +86,7 @@ def test_bad_config_names_the_key(override, message):
     ],
 )
 def test_one_value_for_a_list_key_becomes_a_one_item_list(override, key, expected):
-    cfg = compose_config([override])
+    cfg = compose_config(["experiment=hf_llama", "model.peft.method=lora", override])
     section, _, name = key.rpartition(".")
     node = cfg
     for part in section.split("."):
@@ -107,6 +107,22 @@ def test_one_value_for_another_list_key_shows_the_list_syntax(override):
     key = override.split("=", 1)[0]
     with pytest.raises(ValueError, match=rf"config key '{key}' takes a list, got .*; write a list: {key}=\[a,b\]"):
         compose_config([override])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["model.peft.r=16"], "model.peft.r"),
+        (["model.peft.alpha=32", "model.peft.dropout=0.1"], "model.peft.alpha, model.peft.dropout"),
+        (["model.peft.target_modules=[q_proj,k_proj]"], "model.peft.target_modules"),
+    ],
+)
+def test_lora_settings_without_lora_method_are_refused(overrides, named):
+    with pytest.raises(ValueError, match=rf"^{named} set while model.peft.method=none, which trains every "
+                                         r"parameter .*add model.peft.method=lora .* or remove them"):
+        compose_config(["experiment=hf_llama", *overrides])
+    cfg = compose_config(["experiment=hf_llama", "model.peft.method=lora", *overrides])
+    assert cfg.model.peft.method == "lora"
 
 
 def test_batch_must_divide_world_times_micro_batch():

@@ -10,6 +10,7 @@ override grammar applies: `key=value`, `+key=value` (add), `++key=value` (add or
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import signal
@@ -29,6 +30,7 @@ from fsdpkit.config.schema import (
     STATE_DICT_TYPES,
     CheckpointConfig,
     Config,
+    PeftConfig,
 )
 
 CONF_DIR = Path(__file__).parent / "conf"
@@ -141,6 +143,19 @@ def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
         raise ValueError(f"config key '{key}' is {value}; it must be {'>= 0' if allow_zero else '> 0'}")
 
 
+def _refuse_unused_peft(peft: PeftConfig) -> None:
+    """ValueError when LoRA settings differ from their defaults while model.peft.method=none: the
+    run would be a full fine-tune that ignores them."""
+    if peft.method != "none":
+        return
+    defaults = PeftConfig()
+    changed = [f"model.peft.{f.name}" for f in dataclasses.fields(PeftConfig)
+               if f.name != "method" and getattr(peft, f.name) != getattr(defaults, f.name)]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} set while model.peft.method=none, which trains every parameter "
+                         "and ignores them; add model.peft.method=lora for LoRA, or remove them for a full fine-tune")
+
+
 def validate(cfg: Config) -> None:
     """Value checks the type system cannot express. World-size-dependent checks (batch
     divisibility, HSDP groups) run in `check_world_size` as soon as the world size is known."""
@@ -171,6 +186,7 @@ def validate(cfg: Config) -> None:
     elif "model_type" not in m.hf_config:
         raise ValueError("config key 'model.hf_config' needs a `model_type` (e.g. llama) when model.kind=hf")
     _one_of("model.peft.method", m.peft.method, ("none", "lora"))
+    _refuse_unused_peft(m.peft)
     if m.peft.method != "none":
         if m.kind != "hf":
             raise ValueError("model.peft.method=lora needs a transformers model (model.kind=hf, e.g. model=hf_llama_tiny)")
