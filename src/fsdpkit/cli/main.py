@@ -126,9 +126,9 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
     except ChildFailedError as e:
         if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
             return _preempted(cfg, "a preemption signal reached the ranks", since=started)
-        from fsdpkit.cli.failures import describe_failures, rerun_takes
+        from fsdpkit.cli.failures import describe_failures, order_failures, rerun_takes
 
-        first_rank, first = min(e.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+        first_rank, first = order_failures(e.failures)[0]
         if first.exitcode == 2:
             # a clear error (a setting, a path, a checkpoint), printed above; the others stopped on it too
             # or were stopped by the launcher
