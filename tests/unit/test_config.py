@@ -202,3 +202,36 @@ def test_ckpt_commands_refuse_urls(capsys):
     assert "OUT='nosuch://bucket/out': fsspec knows no nosuch:// scheme" in capsys.readouterr().err
     assert main(["ckpt", "verify", "nosuch://bucket/run/checkpoints/step_4"]) == 2
     assert "fsspec knows no nosuch:// scheme" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "expected"),
+    [
+        (["config", "show", "--config-dir", "{dir}", "experiment=odd_batch", "train.max_steps=9"], 0,
+         "global_batch_size: 3\n  micro_batch_size: 1"),
+        (["train", "experiment=odd_batch", "--config-dir", "{dir}", "train.max_steps=9", "--nproc", "2"], 2,
+         "global_batch_size=3 is not divisible by world_size (2)"),
+        (["resume-check", "experiment=odd_batch", "--nproc", "2", "--config-dir", "{dir}", "train.log_every=2"], 2,
+         "the resumed run on 2 rank(s): train.global_batch_size=3 is not divisible"),
+    ],
+    ids=["config-show", "train", "resume-check"],
+)
+def test_config_dir_is_accepted_between_overrides(tmp_path, capsys, argv, code, expected):
+    from fsdpkit.cli.main import main
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "odd_batch.yaml").write_text(
+        "# @package _global_\ntrain:\n  global_batch_size: 3\n  micro_batch_size: 1\n")
+    assert main([arg.format(dir=tmp_path) for arg in argv]) == code
+    out, err = capsys.readouterr()
+    assert expected in (out if code == 0 else err), out + err
+    if code == 0:
+        assert "max_steps: 9" in out  # the override after --config-dir is applied
+
+
+def test_unknown_options_after_overrides_are_still_refused(capsys):
+    from fsdpkit.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["config", "show", "--config-dir", "conf", "experiment=demo", "--bogus"])
+    assert "unrecognized arguments: experiment=demo --bogus" in capsys.readouterr().err

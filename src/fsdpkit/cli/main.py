@@ -217,8 +217,21 @@ def main(argv: list[str] | None = None) -> int:
         return _stdout_closed()
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line. Hydra overrides may sit before, between or after options
+    (`config show --config-dir DIR experiment=x`): argparse fills `overrides` from the first run of
+    positionals only and leaves later ones over, so those are appended to it, in order."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and not any(arg.startswith("-") for arg in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
     try:
         code = {"train": _train, "config": _config, "resume-check": _resume_check, "ckpt": ckpt_cli.run,
