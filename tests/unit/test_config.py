@@ -74,6 +74,57 @@ def test_bad_config_names_the_key(override, message):
         compose_config([override])
 
 
+@pytest.mark.parametrize(
+    ("override", "key", "expected"),
+    [
+        ("data.files=chat.jsonl", "data.files", ["chat.jsonl"]),
+        ("data.val_files=val/*.jsonl", "data.val_files", ["val/*.jsonl"]),
+        ("model.peft.target_modules=q_proj", "model.peft.target_modules", ["q_proj"]),
+        ("policy.activation_checkpointing_policy=a.B", "policy.activation_checkpointing_policy", ["a.B"]),
+        ("checkpoint.preemption_signals=SIGUSR1", "checkpoint.preemption_signals", ["SIGUSR1"]),
+        ("data.files=[a.jsonl,b.jsonl]", "data.files", ["a.jsonl", "b.jsonl"]),
+    ],
+)
+def test_one_value_for_a_list_key_becomes_a_one_item_list(override, key, expected):
+    cfg = compose_config(["experiment=hf_llama", "model.peft.method=lora", override])
+    section, _, name = key.rpartition(".")
+    node = cfg
+    for part in section.split("."):
+        node = getattr(node, part)
+    assert getattr(node, name) == expected
+
+
+def test_one_value_in_an_experiment_file_becomes_a_list_and_interpolations_stay(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "one_file.yaml").write_text(
+        "# @package _global_\ndata:\n  files: chat.jsonl\n  val_files: ${data.files}\n")
+    cfg = compose_config(["experiment=one_file"], config_dirs=[str(tmp_path)])
+    assert cfg.data.files == ["chat.jsonl"] and cfg.data.val_files == ["chat.jsonl"]
+
+
+@pytest.mark.parametrize("override", ["optim.betas=0.9", "policy.auto_wrap_policy=5"])
+def test_one_value_for_another_list_key_shows_the_list_syntax(override):
+    key = override.split("=", 1)[0]
+    with pytest.raises(ValueError, match=rf"config key '{key}' takes a list, got .*; write a list: {key}=\[a,b\]"):
+        compose_config([override])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["model.peft.r=16"], "model.peft.r"),
+        (["model.peft.alpha=32", "model.peft.dropout=0.1"], "model.peft.alpha, model.peft.dropout"),
+        (["model.peft.target_modules=[q_proj,k_proj]"], "model.peft.target_modules"),
+    ],
+)
+def test_lora_settings_without_lora_method_are_refused(overrides, named):
+    with pytest.raises(ValueError, match=rf"^{named} set while model.peft.method=none, which trains every "
+                                         r"parameter .*add model.peft.method=lora .* or remove them"):
+        compose_config(["experiment=hf_llama", *overrides])
+    cfg = compose_config(["experiment=hf_llama", "model.peft.method=lora", *overrides])
+    assert cfg.model.peft.method == "lora"
+
+
 def test_batch_must_divide_world_times_micro_batch():
     cfg = compose_config(["train.global_batch_size=16", "train.micro_batch_size=4"])
     assert accumulation_steps(cfg, 2) == 2
@@ -151,3 +202,36 @@ def test_ckpt_commands_refuse_urls(capsys):
     assert "OUT='nosuch://bucket/out': fsspec knows no nosuch:// scheme" in capsys.readouterr().err
     assert main(["ckpt", "verify", "nosuch://bucket/run/checkpoints/step_4"]) == 2
     assert "fsspec knows no nosuch:// scheme" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "expected"),
+    [
+        (["config", "show", "--config-dir", "{dir}", "experiment=odd_batch", "train.max_steps=9"], 0,
+         "global_batch_size: 3\n  micro_batch_size: 1"),
+        (["train", "experiment=odd_batch", "--config-dir", "{dir}", "train.max_steps=9", "--nproc", "2"], 2,
+         "global_batch_size=3 is not divisible by world_size (2)"),
+        (["resume-check", "experiment=odd_batch", "--nproc", "2", "--config-dir", "{dir}", "train.log_every=2"], 2,
+         "the resumed run on 2 rank(s): train.global_batch_size=3 is not divisible"),
+    ],
+    ids=["config-show", "train", "resume-check"],
+)
+def test_config_dir_is_accepted_between_overrides(tmp_path, capsys, argv, code, expected):
+    from fsdpkit.cli.main import main
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "odd_batch.yaml").write_text(
+        "# @package _global_\ntrain:\n  global_batch_size: 3\n  micro_batch_size: 1\n")
+    assert main([arg.format(dir=tmp_path) for arg in argv]) == code
+    out, err = capsys.readouterr()
+    assert expected in (out if code == 0 else err), out + err
+    if code == 0:
+        assert "max_steps: 9" in out  # the override after --config-dir is applied
+
+
+def test_unknown_options_after_overrides_are_still_refused(capsys):
+    from fsdpkit.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["config", "show", "--config-dir", "conf", "experiment=demo", "--bogus"])
+    assert "unrecognized arguments: experiment=demo --bogus" in capsys.readouterr().err

@@ -13,6 +13,8 @@ from fsdpkit.checkpoint.storage import open_storage
 if TYPE_CHECKING:
     from fsdpkit.config import Config
 
+LAUNCHER_SIGNALS = (signal.SIGTERM, signal.SIGKILL)  # how torch's launcher stops the other ranks
+
 
 def how(exitcode: int) -> str:
     """`was killed by SIGKILL` for a negative exit code (the signal's number), else `exited with code N`."""
@@ -25,17 +27,29 @@ def how(exitcode: int) -> str:
     return f"exited with code {exitcode}"
 
 
+def order_failures(failures: dict[int, Any]) -> list[tuple[int, Any]]:
+    """(rank, failure) pairs, the first failure first: by timestamp, then a rank that exited with an
+    error code before ranks killed by a signal, then by rank. torch's timestamps are whole seconds,
+    and the SIGTERM the launcher sends the other ranks after an error exit lands in the same one."""
+    return sorted(failures.items(), key=lambda item: (item[1].timestamp, item[1].exitcode < 0, item[0]))
+
+
 def describe_failures(failures: dict[int, Any], *, world_size: int) -> list[str]:
     """Lines naming each failed rank, the first failure first. `failures`: torch's ProcessFailure by
-    global rank (exitcode, pid, timestamp); ranks not in it were stopped by the launcher."""
-    order = sorted(failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    global rank (exitcode, pid, timestamp); ranks not in it were stopped by the launcher. A rank
+    killed by SIGTERM or SIGKILL after another rank exited with an error code was stopped by the
+    launcher, which reacts to that exit."""
     lines = []
-    for i, (rank, f) in enumerate(order):
+    failed = None  # the first rank that exited with an error code
+    for i, (rank, f) in enumerate(order_failures(failures)):
         what = f"rank {rank} (pid {f.pid}) {how(f.exitcode)}"
-        if f.exitcode < 0:
-            what += " (from outside the training code: a kill, the OOM killer or a crash; it left no traceback)"
-        else:
+        if f.exitcode >= 0:
             what += " (its traceback and error are above)"
+            failed = rank if failed is None and f.exitcode > 0 else failed
+        elif failed is not None and -f.exitcode in LAUNCHER_SIGNALS:
+            what += f" (stopped by the launcher after rank {failed} failed)"
+        else:
+            what += " (from outside the training code: a kill, the OOM killer or a crash; it left no traceback)"
         lines.append(what if i == 0 else f"then {what}")
     others = sorted(set(range(world_size)) - set(failures))
     if others:

@@ -126,9 +126,9 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
     except ChildFailedError as e:
         if any(f.exitcode == EXIT_PREEMPTED for f in e.failures.values()):
             return _preempted(cfg, "a preemption signal reached the ranks", since=started)
-        from fsdpkit.cli.failures import describe_failures, rerun_takes
+        from fsdpkit.cli.failures import describe_failures, order_failures, rerun_takes
 
-        first_rank, first = min(e.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+        first_rank, first = order_failures(e.failures)[0]
         if first.exitcode == 2:
             # a clear error (a setting, a path, a checkpoint), printed above; the others stopped on it too
             # or were stopped by the launcher
@@ -217,8 +217,21 @@ def main(argv: list[str] | None = None) -> int:
         return _stdout_closed()
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The parsed command line. Hydra overrides may sit before, between or after options
+    (`config show --config-dir DIR experiment=x`): argparse fills `overrides` from the first run of
+    positionals only and leaves later ones over, so those are appended to it, in order."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and hasattr(args, "overrides") and not any(arg.startswith("-") for arg in rest):
+        args.overrides = [*args.overrides, *rest]
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
     try:
         code = {"train": _train, "config": _config, "resume-check": _resume_check, "ckpt": ckpt_cli.run,

@@ -10,10 +10,11 @@ override grammar applies: `key=value`, `+key=value` (add), `++key=value` (add or
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import re
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -29,12 +30,17 @@ from fsdpkit.config.schema import (
     STATE_DICT_TYPES,
     CheckpointConfig,
     Config,
+    PeftConfig,
 )
 
 CONF_DIR = Path(__file__).parent / "conf"
 PRIMARY = "config"
 SCHEMA_NODE = "fsdpkit_schema"  # conf/config.yaml's first default: every key exists, typed
 ASYNC_ALIAS = "async"
+# List keys that users often give one value (`data.files=chat.jsonl`): a lone string becomes a
+# one-item list. A lone value for any other list key is refused with the list syntax.
+ONE_VALUE_LISTS = frozenset({"data.files", "data.val_files", "model.peft.target_modules", "policy.auto_wrap_policy",
+                             "policy.activation_checkpointing_policy", "checkpoint.preemption_signals"})
 
 
 def _register_schema() -> None:
@@ -86,6 +92,7 @@ def to_typed(raw: DictConfig) -> Config:
             alias = checkpoint.pop(ASYNC_ALIAS)
             if alias is not None:
                 checkpoint.async_save = alias
+    _lists_from_single_values(raw, schema)
     try:
         merged = OmegaConf.merge(schema, raw)
         OmegaConf.resolve(merged)
@@ -100,6 +107,32 @@ def to_typed(raw: DictConfig) -> Config:
     return cfg
 
 
+def _list_keys(defaults: dict, prefix: str = "") -> Iterator[str]:
+    """Dotted keys of the list-typed fields in a container of the schema's defaults."""
+    for name, value in defaults.items():
+        if isinstance(value, list):
+            yield f"{prefix}{name}"
+        elif isinstance(value, dict):
+            yield from _list_keys(value, f"{prefix}{name}.")
+
+
+def _lists_from_single_values(raw: DictConfig, schema: DictConfig) -> None:
+    """Wrap a lone string given for a ONE_VALUE_LISTS key into a one-item list, in place; refuse a
+    lone value for any other list key with a ValueError that shows how to write a list."""
+    values = OmegaConf.to_container(raw, resolve=False)  # interpolations stay as written
+    for key in _list_keys(OmegaConf.to_container(schema, resolve=False)):
+        value = values
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        # None is left to the merge (it says the key is not optional); `${...}` may resolve to a list
+        if value is None or isinstance(value, list) or (isinstance(value, str) and value.startswith("${")):
+            continue
+        if key in ONE_VALUE_LISTS and isinstance(value, str):
+            OmegaConf.update(raw, key, [value], merge=False)
+        else:
+            raise ValueError(f"config key '{key}' takes a list, got {value!r}; write a list: {key}=[a,b]")
+
+
 def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
     if value not in allowed:
         raise ValueError(f"config key '{key}' is {value!r}; expected one of {', '.join(map(str, allowed))}")
@@ -108,6 +141,19 @@ def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
 def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ValueError(f"config key '{key}' is {value}; it must be {'>= 0' if allow_zero else '> 0'}")
+
+
+def _refuse_unused_peft(peft: PeftConfig) -> None:
+    """ValueError when LoRA settings differ from their defaults while model.peft.method=none: the
+    run would be a full fine-tune that ignores them."""
+    if peft.method != "none":
+        return
+    defaults = PeftConfig()
+    changed = [f"model.peft.{f.name}" for f in dataclasses.fields(PeftConfig)
+               if f.name != "method" and getattr(peft, f.name) != getattr(defaults, f.name)]
+    if changed:
+        raise ValueError(f"{', '.join(changed)} set while model.peft.method=none, which trains every parameter "
+                         "and ignores them; add model.peft.method=lora for LoRA, or remove them for a full fine-tune")
 
 
 def validate(cfg: Config) -> None:
@@ -150,6 +196,7 @@ def validate(cfg: Config) -> None:
     _one_of("model.attn_implementation", m.attn_implementation or "eager",
             ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "paged_attention"))
     _one_of("model.peft.method", m.peft.method, ("none", "lora"))
+    _refuse_unused_peft(m.peft)
     if m.peft.method != "none":
         if m.kind != "hf":
             raise ValueError("model.peft.method=lora needs a transformers model (model.kind=hf, e.g. model=hf_llama_tiny)")

@@ -155,7 +155,8 @@ class DataConfig:
     path: str = ""
     """File to read for kind=tokens or kind=text."""
     files: list[str] = field(default_factory=list)
-    """kind=hf: data files or globs (e.g. `[data/*.jsonl]`), read in sorted order."""
+    """kind=hf: data files or globs (e.g. `[data/*.jsonl]`; one may be given alone: `chat.jsonl`),
+    read in sorted order."""
     val_files: list[str] = field(default_factory=list)
     """kind=hf: validation files or globs; empty: the last `val_fraction` of the documents of `files`."""
     format: str = "auto"
