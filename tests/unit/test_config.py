@@ -25,7 +25,7 @@ def test_experiment_list_composes_in_order():
     cfg = compose_config(["experiment=[demo,bf16,activation_checkpointing]"])
     assert cfg.name == "demo" and cfg.run_dir == "runs/demo"
     assert cfg.policy.mixed_precision == "bf16-mixed"
-    assert cfg.policy.activation_checkpointing_policy == ["fsdpkit.model.llama.LlamaDecoderLayer"]
+    assert cfg.policy.activation_checkpointing_policy == ["auto"]
     assert cfg.train.max_steps == 200
 
 
@@ -57,7 +57,7 @@ def test_forced_add():
         ("strategy.sharding_strategy=FULLSHARD", "expected one of FULL_SHARD"),
         ("policy.mixed_precision=fp8", "policy.mixed_precision"),
         ("data.val_fraction=1.5", "data.val_fraction"),
-        ("policy.auto_wrap_policy=[LlamaDecoderLayer]", "not a dotted class path"),
+        ("policy.auto_wrap_policy=[LlamaDecoderLayer]", "not `auto` or a dotted class path"),
         ("experiment=nope", "experiment/nope"),
         ("model.init_from=/some/dir", "model.init_from"),
         ("export.dtype=int8", "config key 'export.dtype'"),
