@@ -73,3 +73,22 @@ def test_plain_export_loads_in_transformers_with_the_trained_logits(matrix, arch
         logits = model.eval()(batch[:, :-1]).logits
     trained = torch.load(runs / arch / "trained_logits.pt")
     torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", LORA)
+def test_lora_adapter_loads_in_peft_with_the_trained_logits(matrix, folders, arch, tmp_path):
+    from peft import PeftModel
+
+    from fsdpkit.export.adapter import export_adapter
+    from hf_folders import reference_model
+
+    runs = matrix[1] / f"{arch}+lora"
+    export_adapter(runs / "full" / "checkpoints", tmp_path / "adapter")
+    model = PeftModel.from_pretrained(reference_model(folders[arch]), tmp_path / "adapter").eval()
+    batch = torch.load(runs / "batch.pt")
+    with torch.no_grad():
+        logits = model(batch[:, :-1]).logits
+        base = reference_model(folders[arch])(batch[:, :-1]).logits
+    trained = torch.load(runs / "trained_logits.pt")
+    torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(base, trained, rtol=1e-5, atol=1e-5)  # the adapter changed the model
