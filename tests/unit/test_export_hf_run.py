@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     GenerationConfig,
@@ -124,6 +125,8 @@ def test_export_of_a_run_from_a_folder_loads_model_tokenizer_and_generation_conf
     assert (info["missing_keys"], info["unexpected_keys"], info["mismatched_keys"]) == (set(), set(), set())
     assert torch.equal(logits(loaded, model.config.vocab_size), logits(model, model.config.vocab_size))
     assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    trained_config = {k: v for k, v in AutoConfig.from_pretrained(folder).to_dict().items() if k != "_name_or_path"}
+    assert {k: v for k, v in loaded.config.to_dict().items() if k != "_name_or_path"} == trained_config
 
     want, got = AutoTokenizer.from_pretrained(tokenizer), AutoTokenizer.from_pretrained(out)
     assert got(SAMPLE)["input_ids"] == want(SAMPLE)["input_ids"] and got.eos_token == want.eos_token
