@@ -40,6 +40,20 @@ checkpoint records, so that transformers.AutoModelForCausalLM.from_pretrained(OU
 tied lm_head (tied in the config, or equal to the embedding) is written once, as transformers
 expects. --format single: OUT is one .safetensors file.
 
+Runs built from a Hugging Face folder (model=hf model.path=DIR): config.json is the config the
+run trained with; generation_config.json is DIR's own (copied; transformers' default only when
+DIR has none); the run's tokenizer (data.tokenizer, else DIR when it holds one) is written by
+transformers' AutoTokenizer save_pretrained, chat template included, so that
+AutoTokenizer.from_pretrained(OUT) works. A folder that no longer exists does not stop the
+export: the output lists the files it could not add and how to add them.
+
+Hub layout: when the model is known (model=hf runs, or --config), the weights are written with
+the names and layouts transformers' save_pretrained writes, which may differ from those it holds
+in memory (and the checkpoint stores): MoE experts fused in memory are written one tensor per
+expert (Mixtral, Qwen3-MoE...), legacy names are restored (GPT-NeoX's embed_out). Renamed tensors
+stream as the others; each fused tensor is read whole, one at a time, and split by transformers'
+own reverse operations. --no-hub-layout keeps the checkpoint's names and layouts.
+
 Names: wrapper components (_orig_mod., _fsdp_wrapped_module., _checkpoint_wrapped_module.,
 leading module.) are removed. A prefix every name shares that is not the model's (Lightning's
 `model.`) is stripped, with a line saying so: judged against the names of the model --config
@@ -99,6 +113,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "plus the index and config files an export writes, nothing else), once the new export is "
                         "complete; anything else at OUT is never deleted: the export is refused")
     e.add_argument("--no-config", action="store_true", help="do not write config.json/generation_config.json")
+    e.add_argument("--no-hub-layout", action="store_true",
+                   help="write the names and layouts the checkpoint holds (model.state_dict()'s), not those "
+                        "save_pretrained writes (per-expert MoE tensors, legacy names)")
     e.add_argument("--verbose", action="store_true", help="show torch's own warnings (hidden by default)")
     e.add_argument("--verify", action="store_true",
                    help="recompute every file checksum of an fsdpkit checkpoint first (default: check presence and sizes)")
@@ -165,6 +182,7 @@ def _export_lora(args: argparse.Namespace) -> int:
     what = "adapter tensors" if args.adapter else f"tensors ({report['merged']} with LoRA merged, scale {report['scale']:g})"
     print(f"exported {report['num_tensors']} {what} from {report['source']} (step {report['step']}) to {report['out']} "
           f"in {report['seconds']:.2f} s: {', '.join(report['files'])}")
+    _print_folder_files(report)
     return 0
 
 
@@ -195,7 +213,8 @@ def _export(args: argparse.Namespace) -> int:
         report = _into_out(args, lambda out: export_checkpoint(
             args.ckpt, out, dtype=args.dtype, max_shard_size=args.max_shard_size, fmt=args.fmt, namespace=args.namespace,
             strip_prefixes=args.strip_prefix, add_prefix=args.add_prefix, reader=args.reader, overwrite=args.overwrite,
-            write_config=not args.no_config, config=args.config, verify=args.verify))
+            write_config=not args.no_config, config=args.config, verify=args.verify,
+            hub_layout=not args.no_hub_layout))
     if args.json:
         _print_json(report)
         return 0
@@ -213,7 +232,16 @@ def _export(args: argparse.Namespace) -> int:
         print(f"dropped: {line}")
     if report["config"]:
         print(report["config"])
+    _print_folder_files(report)
     return 0
+
+
+def _print_folder_files(report: dict[str, Any]) -> None:
+    """The files added beside the weights, and those that could not be (with how to add them)."""
+    for line in report.get("added", []):
+        print(f"added: {line}")
+    for line in report.get("not_added", []):
+        print(f"NOT ADDED: {line}")
 
 
 def _inspect(args: argparse.Namespace) -> int:

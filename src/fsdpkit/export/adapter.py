@@ -24,15 +24,16 @@ from typing import Any
 import torch
 
 from fsdpkit import __version__
+from fsdpkit.checkpoint.storage import fsync_dir
 from fsdpkit.export.destination import protected_paths
 from fsdpkit.export.exporter import (
     _check_destination,
     _check_integrity,
     _out_dtype,
     _publish,
-    _write_hf_configs,
     parse_dtype,
 )
+from fsdpkit.export.hf_folder import fsync_file, write_folder_files
 from fsdpkit.export.keys import model_weights
 from fsdpkit.export.naming import drop_tied
 from fsdpkit.export.safetensors_io import SINGLE_FILE, StreamingSafetensorsWriter
@@ -101,6 +102,9 @@ def _export(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool,
         tmp.mkdir()
         try:
             report = fill(opened, settings, tmp)
+            for file in (p for p in tmp.rglob("*") if p.is_file()):  # peft's and transformers' files too
+                fsync_file(file)
+            fsync_dir(tmp)
             _publish(tmp, out, overwrite=overwrite)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -145,7 +149,8 @@ def export_merged(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str
                   overwrite: bool = False, verify: bool = False, write_config: bool = True,
                   run_dirs: Sequence[str | os.PathLike] = ()) -> dict[str, Any]:
     """Write the model of a LoRA checkpoint with its adapters merged in, as a Hugging Face folder
-    (model.safetensors + config.json) under the base model's own names.
+    (model.safetensors, config.json, generation_config.json and the run's tokenizer, as the plain
+    export writes them: fsdpkit.export.hf_folder) under the base model's own names.
 
     Raises:
         ValueError: not a LoRA checkpoint, bad options, or `out` exists without `overwrite`.
@@ -172,9 +177,10 @@ def export_merged(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         out_dtypes = {n: _out_dtype(infos[k].dtype, target) for n, k in base.items()}
         tensors = [(n, infos[k].shape, out_dtypes[n], lambda n=n, k=k: merged(n, k)) for n, k in base.items()]
         _write(tmp, SINGLE_FILE, tensors)
-        config = (_write_hf_configs(tmp, opened, target=target, out_dtypes=out_dtypes, model_config=None, out=out)
-                  if write_config else "")
+        found = write_folder_files(tmp, opened, target=target, out_dtypes=out_dtypes, model_config=None, out=out,
+                                   write_config=write_config)
         return {"files": sorted(p.name for p in tmp.iterdir()), "num_tensors": len(tensors), "merged": len(adapters),
-                "scale": scale, "dropped": dropped, "config": config}
+                "scale": scale, "dropped": dropped, "config": found.config if write_config else "",
+                "added": found.added, "not_added": found.not_added}
 
     return _export(ckpt, out, overwrite=overwrite, verify=verify, fill=fill, run_dirs=run_dirs)

@@ -10,7 +10,8 @@ Two rules keep an export from destroying what it did not write:
 2. An existing `out` is replaced only when it is an earlier fsdpkit export (and only with
    `overwrite`): a safetensors file whose header metadata carries `exported_by: fsdpkit ...`, or
    a directory holding nothing but what an export writes (model*.safetensors, each carrying that
-   marker, the index, config.json, generation_config.json). An empty directory may be used too.
+   marker, the index, config.json, generation_config.json, the tokenizer's files and its
+   additional_chat_templates/*.jinja). An empty directory may be used too.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ from pathlib import Path
 
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.layout import CHECKPOINTS, LATEST
+from fsdpkit.export.hf_folder import CHAT_TEMPLATES_DIR, TOKENIZER_FILES
 from fsdpkit.export.safetensors_io import INDEX_FILE, SINGLE_FILE, read_header
 
 EXPORTED_BY = "exported_by"  # the safetensors metadata key every exported file carries
 EXPORT_FILES = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"
-                          r"|config\.json|generation_config\.json)$")
+                          r"|config\.json|generation_config\.json|"
+                          + "|".join(re.escape(f) for f in TOKENIZER_FILES) + r")$")
 
 
 def exported_by_value(version: str) -> str:
@@ -77,14 +80,22 @@ def not_an_export(out: Path) -> str | None:
     if out.is_file():
         return _unmarked(out)
     entries = sorted(out.iterdir())
-    foreign = [e.name for e in entries if e.is_symlink() or not e.is_file() or not EXPORT_FILES.match(e.name)]
+    foreign = [e.name for e in entries if not (_is_chat_templates(e) or (e.is_file() and not e.is_symlink()
+                                                                          and EXPORT_FILES.match(e.name)))]
     if foreign:
         return (f"it holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which an export does not "
-                f"write (an export writes {SINGLE_FILE} or its shards, {INDEX_FILE}, config.json, generation_config.json)")
+                f"write (an export writes {SINGLE_FILE} or its shards, {INDEX_FILE}, config.json, generation_config.json "
+                "and tokenizer files)")
     weights = [e for e in entries if e.name.endswith(".safetensors")]
     if not weights:
         return "it holds no safetensors file written by fsdpkit"
     return next((why for why in map(_unmarked, weights) if why), None)
+
+
+def _is_chat_templates(entry: Path) -> bool:
+    """The tokenizer's named chat templates: a directory of .jinja files, as save_pretrained writes it."""
+    return (entry.name == CHAT_TEMPLATES_DIR and entry.is_dir() and not entry.is_symlink()
+            and all(p.is_file() and not p.is_symlink() and p.suffix == ".jinja" for p in entry.iterdir()))
 
 
 def _unmarked(file: Path) -> str | None:

@@ -3,14 +3,17 @@
 Tensors are read a block of rows at a time (`tunables.BLOCK_BYTES`), converted to the output
 dtype and appended to the output file, with the next `tunables.READ_AHEAD` blocks read on as many
 threads while the current one is written (local files with O_DIRECT: fsdpkit.checkpoint.direct_io).
-Peak memory is a few blocks whatever the model size. The output is
-written under a temporary name beside the target and renamed into place when complete (files
-fsynced first), so a reader never sees half an export.
+Peak memory is a few blocks whatever the model size. Tensors that transformers stores in
+another layout than it holds in memory (fused MoE experts, see fsdpkit.export.hub_layout) are the
+exception: each is read whole, one group at a time, and converted by transformers' own reverse
+operations, so the files hold what `save_pretrained` writes. The output (weights, config.json,
+generation_config.json, the tokenizer: fsdpkit.export.hf_folder) is written under a temporary name
+beside the target and renamed into place when complete (files fsynced first), so a reader never
+sees half an export.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
@@ -18,6 +21,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +39,16 @@ from fsdpkit.export.destination import (
     exported_by_value,
     protected_paths,
 )
-from fsdpkit.export.hf_config import hf_configs
+from fsdpkit.export.hf_config import transformers_config
+from fsdpkit.export.hf_folder import write_folder_files, write_json
+from fsdpkit.export.hub_layout import (
+    ConvertedGroup,
+    HubLayout,
+    meta_model_from_config,
+    plan_hub_layout,
+)
 from fsdpkit.export.keys import is_non_model_namespace
-from fsdpkit.export.model_config import CONFIG_HINT, ModelConfig, config_files, load_model_config
+from fsdpkit.export.model_config import ModelConfig, load_model_config
 from fsdpkit.export.naming import plan_names
 from fsdpkit.export.safetensors_io import (
     INDEX_FILE,
@@ -87,6 +98,7 @@ def export_checkpoint(
     verify: bool = False,
     block_bytes: int = BLOCK_BYTES,
     run_dirs: Sequence[str | os.PathLike] = (),
+    hub_layout: bool = True,
 ) -> dict[str, Any]:
     """Write the model weights of `ckpt` to `out` as safetensors; one process, no process group.
 
@@ -96,7 +108,8 @@ def export_checkpoint(
             folder, a folder of step directories (the newest is used) or a safetensors folder/file.
         out: `fmt="hf"`: a directory that gets `model.safetensors` (or `model-0000X-of-0000N`
             shards and `model.safetensors.index.json` above `max_shard_size`), plus `config.json`
-            and `generation_config.json` when the run config is known. `fmt="single"`: one file.
+            and `generation_config.json` when the run config is known, and the run's tokenizer
+            (fsdpkit.export.hf_folder). `fmt="single"`: one file.
         dtype: `bf16`, `fp16` or `fp32` for floating tensors (integer tensors are never cast);
             None keeps what the checkpoint stores (fp32 master weights for fsdpkit runs).
         max_shard_size: bytes or a size such as `5GB` (hf format only).
@@ -109,7 +122,8 @@ def export_checkpoint(
         overwrite: replace an existing `out`, only once the new export is complete, and only when
             it is an earlier fsdpkit export (see fsdpkit.export.destination); anything else there
             is never deleted.
-        write_config: write config.json/generation_config.json (hf format, when the run config is known).
+        write_config: write config.json/generation_config.json (hf format, when the run config is
+            known). The tokenizer is written either way.
         config: a Hugging Face config.json or model folder: its config.json (and
             generation_config.json) are written into the export, and the names are checked against
             (and tied tensors written as in) the model transformers builds from it.
@@ -118,9 +132,13 @@ def export_checkpoint(
             recorded size (fsdpkit) or holding every byte range the DCP metadata lists (any DCP).
         run_dirs: run directories `out` must not be or contain, besides the one found above the
             checkpoint (training passes its own).
+        hub_layout: when the model is known (a `model.kind=hf` run, or `config`), write the names
+            and layouts `save_pretrained` writes (fsdpkit.export.hub_layout); False keeps those of
+            `model.state_dict()` that the checkpoint holds.
     Returns:
         A report: files written, tensors, dtypes and why they differ from the checkpoint, what
-        was dropped (a tied lm_head), config notes, timing.
+        was dropped (a tied lm_head), config notes, the files added beside the weights (`added`)
+        and those that could not be (`not_added`, each with how to add it), timing.
     Raises:
         ValueError: bad options; `out` overlaps the checkpoint, its checkpoints root or the run
             directory; or `out` exists and is not an earlier export that `overwrite` may replace.
@@ -145,22 +163,25 @@ def export_checkpoint(
         plan = plan_names(opened, namespace=namespace, strip_prefixes=tuple(strip_prefixes), add_prefix=add_prefix,
                           model_config=model_config)
         names, dropped = plan.names, plan.dropped
-        out_dtypes = {name: _out_dtype(tensors[key].dtype, target) for name, key in names.items()}
-        sizes = [(name, TensorInfo(tensors[key].shape, out_dtypes[name]).nbytes) for name, key in names.items()]
+        layout = plan_hub_layout(_layout_model(opened, model_config) if hub_layout else None,
+                                 {name: tensors[key] for name, key in names.items()})
+        items = _output_items(names, tensors, layout)
+        out_dtypes = {name: _out_dtype(item.info.dtype, target) for name, item in items.items()}
+        sizes = [(name, TensorInfo(item.info.shape, out_dtypes[name]).nbytes) for name, item in items.items()]
         total = sum(n for _, n in sizes)
         groups, files = _plan_files(sizes, out=out, fmt=fmt, total=total, shard_limit=shard_limit)
         tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        folder_files = None
         try:
-            written = _write_files(opened, names, out_dtypes, groups, files, tmp_dir=tmp if fmt == "hf" else None,
-                                   tmp_file=tmp if fmt == "single" else None, block_bytes=block_bytes)
-            config_note = ""
+            written = _write_files(opened, names, items, layout, out_dtypes, groups, files,
+                                   tmp_dir=tmp if fmt == "hf" else None, tmp_file=tmp if fmt == "single" else None,
+                                   block_bytes=block_bytes)
             if fmt == "hf":
                 if len(groups) > 1:
                     weight_map = {name: file for group, file in zip(groups, files, strict=True) for name in group}
-                    _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
-                config_note = (_write_hf_configs(tmp, opened, target=target, out_dtypes=out_dtypes,
-                                                 model_config=model_config, out=out) if write_config
-                               else "config.json not written (write_config=False)")
+                    write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+                folder_files = write_folder_files(tmp, opened, target=target, out_dtypes=out_dtypes,
+                                                  model_config=model_config, out=out, write_config=write_config)
                 fsync_dir(tmp)
             _publish(tmp, out, overwrite=overwrite)
         except BaseException:
@@ -179,14 +200,17 @@ def export_checkpoint(
             "format": fmt,
             "files": written,
             "index": INDEX_FILE if fmt == "hf" and len(groups) > 1 else None,
-            "num_tensors": len(names),
+            "num_tensors": len(items),
             "total_size": total,
             "dtypes": dict(Counter(dtype_name(d) for d in out_dtypes.values())),
             "source_dtypes": dict(Counter(dtype_name(tensors[k].dtype) for k in names.values())),
             "dtype_note": _dtype_note(opened, target, {tensors[k].dtype for k in names.values()}),
             "dropped": dropped,
-            "notes": [*opened.notes, *plan.notes, *([model_config.note] if model_config and model_config.note else [])],
-            "config": config_note,
+            "notes": [*opened.notes, *plan.notes, *([model_config.note] if model_config and model_config.note else []),
+                      *([layout.note] if layout.note else [])],
+            "config": folder_files.config if folder_files else "",
+            "added": folder_files.added if folder_files else [],
+            "not_added": folder_files.not_added if folder_files else [],
             "seconds": seconds,
             "read_bytes": read_bytes,
             "gb_per_s": read_bytes / seconds / 1e9 if seconds else None,
@@ -294,24 +318,93 @@ def _prefetched(opened: OpenedCheckpoint, jobs: list[tuple[str, int, int, torch.
             del block
 
 
-def _write_files(opened: OpenedCheckpoint, names: dict[str, str], out_dtypes: dict[str, torch.dtype],
-                 groups: list[list[str]], files: list[str], *, tmp_dir: Path | None, tmp_file: Path | None,
-                 block_bytes: int) -> dict[str, dict[str, int]]:
+@dataclass
+class _OutputItem:
+    """One tensor of the export: its stored shape and dtype, and where its data comes from."""
+
+    info: TensorInfo
+    key: str | None = None  # streamed from this checkpoint key, a block of rows at a time
+    group: int | None = None  # or produced by converting layout.groups[group] (read whole)
+
+
+def _layout_model(opened: OpenedCheckpoint, model_config: ModelConfig | None) -> Any:
+    """The transformers model (meta device) whose save layout the export writes, or None: the one
+    --config describes, else the one a `model.kind=hf` run trained (from `model.hf_config`)."""
+    if model_config is not None:
+        return model_config.model
+    model_cfg = ((opened.manifest or {}).get("config") or {}).get("model") or {}
+    if model_cfg.get("kind") != "hf":
+        return None  # fsdpkit's reference Llama: its names are LlamaForCausalLM's files' already
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None
+    return meta_model_from_config(transformers_config(model_cfg))
+
+
+def _output_items(names: dict[str, str], tensors: dict[str, TensorInfo], layout: HubLayout) -> dict[str, _OutputItem]:
+    """Output name -> item, in the checkpoint's order; a converted group's outputs together, where
+    its first input was (so that one group at a time is held while writing)."""
+    renamed = {mem: out for out, mem in layout.renamed.items()}
+    first = {group.inputs[0]: i for i, group in enumerate(layout.groups)}
+    items: dict[str, _OutputItem] = {}
+    for name, key in names.items():
+        if name in renamed:
+            items[renamed[name]] = _OutputItem(info=tensors[key], key=key)
+        elif name in first:
+            items.update({out: _OutputItem(info=info, group=first[name])
+                          for out, info in layout.groups[first[name]].outputs.items()})
+    return items
+
+
+class _ConvertedTensors:
+    """The outputs of one converted group at a time: its inputs are read whole (all of them at
+    once: a reverse converter may need several, as a concatenation does), converted, and each
+    output is handed out once."""
+
+    def __init__(self, opened: OpenedCheckpoint, names: dict[str, str], layout: HubLayout) -> None:
+        self._opened, self._names, self._layout = opened, names, layout
+        self._index: int | None = None
+        self._outputs: dict[str, torch.Tensor] = {}
+
+    def take(self, index: int, name: str) -> torch.Tensor:
+        if index != self._index:
+            self._outputs = {}  # the previous group's are written by now: free them first
+            group: ConvertedGroup = self._layout.groups[index]
+            self._outputs = self._layout.convert(group, {n: self._read(self._names[n]) for n in group.inputs})
+            self._index = index
+        return self._outputs.pop(name)
+
+    def _read(self, key: str) -> torch.Tensor:
+        info = self._opened.source.tensors()[key]
+        return self._opened.source.read_rows(key, 0, info.rows).reshape(info.shape)
+
+
+def _write_files(opened: OpenedCheckpoint, names: dict[str, str], items: dict[str, _OutputItem], layout: HubLayout,
+                 out_dtypes: dict[str, torch.dtype], groups: list[list[str]], files: list[str], *,
+                 tmp_dir: Path | None, tmp_file: Path | None, block_bytes: int) -> dict[str, dict[str, int]]:
     tensors = opened.source.tensors()
-    blocks = {name: list(iter_row_blocks(tensors[names[name]], block_bytes=block_bytes)) for name in names}
-    jobs = [(names[name], a, b, out_dtypes[name]) for group in groups for name in group for a, b in blocks[name]]
+    streamed = {name: item.key for name, item in items.items() if item.key is not None}
+    blocks = {name: list(iter_row_blocks(tensors[key], block_bytes=block_bytes)) for name, key in streamed.items()}
+    jobs = [(streamed[name], a, b, out_dtypes[name]) for group in groups for name in group if name in streamed
+            for a, b in blocks[name]]
     stream = _prefetched(opened, jobs, block_bytes=block_bytes)
+    converted = _ConvertedTensors(opened, names, layout)
     written: dict[str, dict[str, int]] = {}
     if tmp_dir is not None:
         tmp_dir.mkdir()
     try:
         for group, file in zip(groups, files, strict=True):
             path = tmp_file if tmp_file is not None else tmp_dir / file
-            layout = [(name, tensors[names[name]].shape, out_dtypes[name]) for name in group]
-            writer = StreamingSafetensorsWriter(path, layout, metadata={"format": "pt", EXPORTED_BY: exported_by_value(__version__)})
+            file_layout = [(name, items[name].info.shape, out_dtypes[name]) for name in group]
+            writer = StreamingSafetensorsWriter(path, file_layout,
+                                                metadata={"format": "pt", EXPORTED_BY: exported_by_value(__version__)})
             try:
                 for name in group:
-                    writer.write_tensor(name, (next(stream) for _ in blocks[name]))
+                    if name in streamed:
+                        writer.write_tensor(name, (next(stream) for _ in blocks[name]))
+                    else:
+                        writer.write_tensor(name, [converted.take(items[name].group, name).to(out_dtypes[name])])
             except BaseException:
                 writer.abort()
                 raise
@@ -320,13 +413,6 @@ def _write_files(opened: OpenedCheckpoint, names: dict[str, str], out_dtypes: di
     finally:
         stream.close()  # stops the read-ahead threads at once if writing failed
     return written
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    with open(path, "w") as f:
-        f.write(json.dumps(obj, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _check_namespace(namespace: str | None, *, fmt: str, out: Path) -> str:
@@ -341,26 +427,6 @@ def _check_namespace(namespace: str | None, *, fmt: str, out: Path) -> str:
         raise ValueError(f"--namespace {namespace}: {out.name} would pass for model weights; name the file after what it "
                          f"holds, e.g. {out.with_name(f'{namespace}.safetensors')}")
     return "optimizer" if namespace.startswith("optim") else "model"
-
-
-def _write_hf_configs(folder: Path, opened: OpenedCheckpoint, *, target: torch.dtype | None,
-                      out_dtypes: dict[str, torch.dtype], model_config: ModelConfig | None, out: Path) -> str:
-    floating = [d for d in out_dtypes.values() if d.is_floating_point]
-    dtype = target or (Counter(floating).most_common(1)[0][0] if floating else torch.float32)
-    if model_config is not None:
-        config, generation = config_files(model_config, dtype=dtype)
-        note = f"config.json{' and generation_config.json' if generation else ''} written from {model_config.path}"
-    else:
-        model_cfg = ((opened.manifest or {}).get("config") or {}).get("model")
-        if not model_cfg:
-            return ("config.json not written: this checkpoint carries no model config, so transformers cannot load "
-                    "the export yet; " + CONFIG_HINT.format(out=out))
-        config, generation, note = hf_configs(model_cfg, dtype=dtype)
-    if config is not None:
-        _write_json(folder / "config.json", config)
-    if generation is not None:
-        _write_json(folder / "generation_config.json", generation)
-    return note
 
 
 def _publish(tmp: Path, out: Path, *, overwrite: bool) -> None:

@@ -46,11 +46,26 @@ def hf_configs(model_cfg: dict[str, Any], *, dtype: torch.dtype) -> tuple[dict[s
         import transformers
     except ImportError:
         return None, None, "config.json not written: model.kind=hf needs transformers to describe the model"
-    kwargs = dict(model_cfg.get("hf_config") or {})
-    config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    config = transformers_config(model_cfg)
     mapping = transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     config.architectures = [mapping[config.model_type]] if config.model_type in mapping else None
     as_dict = config.to_dict()
     as_dict["dtype" if "dtype" in as_dict else "torch_dtype"] = dtype_name(dtype)
     generation = transformers.GenerationConfig.from_model_config(config).to_dict()
     return as_dict, generation, f"config.json written by transformers {transformers.__version__} for {config.architectures}"
+
+
+def transformers_config(model_cfg: dict[str, Any]) -> Any:
+    """The transformers config a `model.kind=hf` run trained with (`model.hf_config`, the whole
+    `PretrainedConfig.to_dict()` or the kwargs of `AutoConfig.for_model`, model_type included).
+
+    Raises:
+        ValueError: `model.hf_config` has no model_type.
+    """
+    import transformers
+
+    kwargs = dict(model_cfg.get("hf_config") or {})
+    if "model_type" not in kwargs:
+        raise ValueError("the run config's model.hf_config has no model_type, so transformers cannot describe the "
+                         "model; pass --config with the model's config.json or Hugging Face folder")
+    return transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)

@@ -33,6 +33,7 @@ class ModelConfig:
     tied: list[list[str]] = field(default_factory=list)  # each group: the name written first, then its aliases
     model_class: str = ""  # the class transformers built (empty without transformers)
     note: str = ""
+    model: Any = field(default=None, repr=False)  # that model, on the meta device (its save layout: hub_layout.py)
 
     @property
     def architecture(self) -> str:
@@ -96,6 +97,7 @@ def _describe_model(found: ModelConfig) -> None:
         groups.setdefault(id(param), []).append(name)
     found.tied = [names for names in groups.values() if len(names) > 1]
     found.model_class = cls.__name__
+    found.model = model
     found.note = f"names checked against {cls.__name__} built from the config (transformers {transformers.__version__})"
 
 

@@ -23,6 +23,7 @@ from typing import Any
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.storage import RemotePath, is_url, open_storage
 from fsdpkit.export.destination import EXPORT_FILES, EXPORTED_BY, exported_by_value
+from fsdpkit.export.hf_folder import CHAT_TEMPLATES_DIR
 from fsdpkit.export.safetensors_io import INDEX_FILE, read_header
 
 LAST = (INDEX_FILE, "generation_config.json", "config.json", "adapter_config.json")  # uploaded last, in order
@@ -49,11 +50,13 @@ def export_to_url(out: str, export: Callable[[Path], dict[str, Any]], *, fmt: st
     with tempfile.TemporaryDirectory(prefix="fsdpkit-export-") as tmp:
         local = Path(tmp) / dest.name
         report = export(local)
-        files = sorted(local.iterdir(), key=_upload_order) if local.is_dir() else [local]
+        # files in subfolders too: a tokenizer's additional_chat_templates/<name>.jinja
+        files = (sorted((p for p in local.rglob("*") if p.is_file()), key=_upload_order) if local.is_dir()
+                 else [local])
         for path in sorted(old, key=_upload_order, reverse=True):  # config.json and the index first
             path.unlink(missing_ok=True)
         for file in files:
-            _upload(file, dest / file.name if local.is_dir() else dest)
+            _upload(file, dest / file.relative_to(local).as_posix() if local.is_dir() else dest)
     return {**report, "out": dest.url}
 
 
@@ -97,7 +100,7 @@ def _check_replaceable(dest: RemotePath, old: list[RemotePath], *, overwrite: bo
         raise ValueError(f"{dest} already exists; pass --overwrite to replace it (only an earlier fsdpkit export is "
                          "replaced)")
     single = old == [dest]
-    foreign = [p.url[len(dest.url) + 1:] for p in old if p.parent != dest or not EXPORT_FILES.match(p.name)]
+    foreign = [p.url[len(dest.url) + 1:] for p in old if not _written_by_export(p, dest)]
     if foreign and not single:  # a folder holds only what an export writes
         raise ValueError(f"refusing to replace {dest}: it holds {', '.join(foreign[:5])}, which an export does not "
                          "write; choose another output, or remove it yourself")
@@ -109,6 +112,13 @@ def _check_replaceable(dest: RemotePath, old: list[RemotePath], *, overwrite: bo
         if not marker.startswith(exported_by_value("")):
             raise ValueError(f"refusing to replace {dest}: {weights} was not written by fsdpkit's export (its metadata "
                              f"has no `{EXPORTED_BY}: fsdpkit ...`); choose another output, or remove it yourself")
+
+
+def _written_by_export(path: RemotePath, dest: RemotePath) -> bool:
+    """Whether `path` (under `dest`) is named as an export names its files."""
+    if path.parent == dest:
+        return bool(EXPORT_FILES.match(path.name))
+    return path.parent == dest / CHAT_TEMPLATES_DIR and path.name.endswith(".jinja")
 
 
 def _upload(local: Path, remote: RemotePath) -> None:

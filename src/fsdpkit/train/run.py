@@ -239,9 +239,19 @@ def export_final(cfg: Config) -> dict[str, Any]:
         report = _export_to(cfg, lambda out: export_merged(Path(cfg.checkpoint.dir), Path(out), dtype=e.dtype,
                                                            overwrite=True, run_dirs=[cfg.run_dir]))
         log.info("exported the final weights, LoRA merged, to %s", e.dir)
+        _log_folder_files(report)
         return report
     report = _export_to(cfg, lambda out: export_checkpoint(Path(cfg.checkpoint.dir), Path(out), dtype=e.dtype, fmt=e.format,
                                                            max_shard_size=e.max_shard_size, overwrite=True,
                                                            run_dirs=[cfg.run_dir]))
     log.info("exported the final weights to %s (%s)", e.dir, report.get("dtype_note") or e.dtype)
+    _log_folder_files(report)
     return report
+
+
+def _log_folder_files(report: dict[str, Any]) -> None:
+    """The export's files beside the weights; those it could not add as warnings (with how to add them)."""
+    for line in report.get("added", []):
+        log.info("export: added %s", line)
+    for line in report.get("not_added", []):
+        log.warning("export: NOT ADDED: %s", line)
