@@ -92,3 +92,21 @@ def test_lora_adapter_loads_in_peft_with_the_trained_logits(matrix, folders, arc
     trained = torch.load(runs / "trained_logits.pt")
     torch.testing.assert_close(logits, trained, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(base, trained, rtol=1e-5, atol=1e-5)  # the adapter changed the model
+
+
+@pytest.mark.parametrize("arch", ["gpt2"])
+def test_merged_lora_export_of_conv1d_equals_peft_merge(matrix, folders, arch, tmp_path):
+    """GPT-2 keeps Conv1D weights [in, out]: the merged update is (B A) transposed, as peft merges it."""
+    import transformers
+    from peft import PeftModel
+
+    from fsdpkit.export.adapter import export_adapter, export_merged
+    from hf_folders import reference_model
+
+    runs = matrix[1] / f"{arch}+lora"
+    export_adapter(runs / "full" / "checkpoints", tmp_path / "adapter")
+    export_merged(runs / "full" / "checkpoints", tmp_path / "merged", dtype="fp32")
+    peft_merged = PeftModel.from_pretrained(reference_model(folders[arch]), tmp_path / "adapter").merge_and_unload()
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    for name, tensor in peft_merged.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[name], tensor, rtol=1e-6, atol=1e-6, msg=name)

@@ -141,8 +141,24 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: st
 
 
 def _init_from(opened: OpenedCheckpoint) -> str:
-    init_from = ((((opened.manifest or {}).get("config") or {}).get("model") or {}).get("init_from") or "")
-    return init_from.removeprefix("hf:")
+    """The folder the run's base model came from: model.path, else model.init_from's."""
+    model_cfg = ((opened.manifest or {}).get("config") or {}).get("model") or {}
+    return model_cfg.get("path") or (model_cfg.get("init_from") or "").removeprefix("hf:")
+
+
+def _transposed_modules(opened: OpenedCheckpoint) -> set[str]:
+    """Modules whose weight is stored [in, out] (GPT-2's Conv1D: peft's fan_in_fan_out), found in
+    the model transformers builds from the run's config on the meta device; none for other runs."""
+    model_cfg = ((opened.manifest or {}).get("config") or {}).get("model") or {}
+    if model_cfg.get("kind") != "hf":
+        return set()
+    import transformers
+
+    from fsdpkit.export.hf_config import transformers_config
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers_config(model_cfg))
+    return {name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"}
 
 
 def export_merged(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str | None = None,
@@ -164,6 +180,7 @@ def export_merged(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         base = {peft_base_name(n): k for n, k in names.items() if not is_lora_name(n)}
         dropped = drop_tied(base, opened, None)
         adapters = {n.split(".lora_", 1)[0]: None for n in names if is_lora_name(n)}
+        transposed = _transposed_modules(opened) if adapters else set()
 
         def merged(name: str, key: str) -> torch.Tensor:
             w = _read(opened, key)
@@ -172,7 +189,8 @@ def export_merged(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str
                 return w
             a = _read(opened, names[f"{module}.lora_A.{ADAPTER}.weight"]).float()  # [r, in]
             b = _read(opened, names[f"{module}.lora_B.{ADAPTER}.weight"]).float()  # [out, r]
-            return w.float() + scale * (b @ a)
+            delta = b @ a  # [out, in]
+            return w.float() + scale * (delta.T if module in transposed else delta)
 
         out_dtypes = {n: _out_dtype(infos[k].dtype, target) for n, k in base.items()}
         tensors = [(n, infos[k].shape, out_dtypes[n], lambda n=n, k=k: merged(n, k)) for n, k in base.items()]
