@@ -28,6 +28,7 @@ from fsdpkit.diagnostics import (
 from fsdpkit.train.loss import masked_loss_sum, micro_batch_loss, micro_batch_terms, token_loss_sum
 from fsdpkit.train.metrics import MetricsLog, Progress, peak_memory_mib
 from fsdpkit.train.optim import clip_grad_norm
+from fsdpkit.train.stalled import FIRST_STEPS, nothing_trains_warning
 from fsdpkit.train.state import TrainState
 
 # Moved to fsdpkit.train.loss; callers import them from here too.
@@ -204,6 +205,8 @@ class Trainer:
                 watchdog.step_finished()
                 progress.update(self.state.step, f"loss {record['loss']:.4f}")
                 records.append(record)
+                if len(records) == FIRST_STEPS and dist.is_main() and (why := nothing_trains_warning(records)):
+                    self.logger.warning("%s", why)
                 if preempted:
                     got = self.checkpointer.preemption.received
                     self.stopped_by = got.name if got is not None else "a preemption signal on another rank"
