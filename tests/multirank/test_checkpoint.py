@@ -136,6 +136,17 @@ def test_fingerprint_mismatch_fails_before_touching_state(ckpt):
     assert "changed: model.embed_tokens.weight: checkpoint [1001, 128] float32, model [1001, 64] float32" in err
 
 
+def test_tie_and_vocabulary_changes_fail_before_touching_state(ckpt):
+    res, _ = ckpt
+    err = res["tie_mismatch_error"]
+    assert err is not None and "nothing was loaded" in err
+    assert ("the checkpoint's input embedding and lm_head are untied (two matrices), the model's tied (one matrix): "
+            "set model.hf_config.tie_word_embeddings=false (model.tie_word_embeddings=false for model.kind=llama)") in err
+    err = res["vocab_mismatch_error"]
+    assert err is not None and "checkpoint vocab_size 1001, model 1000: set model.hf_config.vocab_size=1001" in err
+    assert "changed: model.embed_tokens.weight" not in err  # the one setting, not a list of shapes
+
+
 def test_full_state_dict_type_resumes_bitwise_and_elastically(ckpt):
     res, _ = ckpt
     assert res["full_type_files"] == ["manifest.json", "model.safetensors", "optimizer.safetensors", "rng.safetensors"]

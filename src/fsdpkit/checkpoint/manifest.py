@@ -1,9 +1,10 @@
 """manifest.json: what a committed checkpoint is, written last, read first.
 
 It records everything needed to trust and interpret the DCP files beside it: format version,
-step, run identity, world size and mesh, versions, the resolved config, the model fingerprint, an
-optimizer summary, the small Stateful pieces (trainer counters, scheduler, data cursor), per-tensor
-checksums, per-file sizes and checksums, and timings.
+step, run identity, world size and mesh, versions, the resolved config, the model fingerprint
+(tensor names, shapes and dtypes; vocabulary size and embedding tying), an optimizer summary, the
+small Stateful pieces (trainer counters, scheduler, data cursor), per-tensor checksums, per-file
+sizes and checksums, and timings.
 
 The manifest carries state that changes training (the data cursor, the schedule, the counters), so
 it is sealed by a checksum of its own: `manifest_sha256`, the SHA-256 of its canonical JSON (keys
@@ -28,6 +29,7 @@ from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatch
 from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest_schema import manifest_problems
 from fsdpkit.checkpoint.storage import write_atomic
+from fsdpkit.model.embeddings import tying_words, vocab_and_tie
 
 log = logging.getLogger("fsdpkit.checkpoint")
 FORMAT = "fsdpkit-checkpoint"
@@ -40,12 +42,32 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def model_fingerprint(model: nn.Module, *, sharding: dict[str, Any]) -> dict[str, Any]:
-    """Every parameter and persistent buffer FQN with its global shape and dtype, plus how the
-    model was sharded (informational: a different wrap policy must not break loading)."""
+    """Every parameter and persistent buffer FQN with its global shape and dtype; the vocabulary
+    size and whether the input embedding and output head are tied (`vocab_size`,
+    `tied_embeddings`; absent for a model without a recognisable embedding); plus how the model
+    was sharded (informational: a different wrap policy must not break loading)."""
     tensors = {}
     for name, t in model.state_dict().items():
         tensors[name] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
-    return {"tensors": tensors, **sharding}
+    return {"tensors": tensors, **vocab_and_tie(model), **sharding}
+
+
+def vocab_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """Differences in vocabulary size and embedding tying, each with the setting to change; a
+    fact that either side lacks (a manifest written before fsdpkit recorded it) is unknown, not
+    a difference."""
+    lines = []
+    a, b = saved.get("vocab_size"), current.get("vocab_size")
+    if a is not None and b is not None and a != b:
+        lines.append(f"  vocabulary: checkpoint vocab_size {a}, model {b}: set model.hf_config.vocab_size={a} "
+                     f"(model.vocab_size={a} for model.kind=llama), or use the tokenizer the checkpoint was trained "
+                     "with (model.resize_to_tokenizer grows the model to data.tokenizer's size)")
+    a, b = saved.get("tied_embeddings"), current.get("tied_embeddings")
+    if a is not None and b is not None and a != b:
+        lines.append(f"  embeddings: the checkpoint's input embedding and lm_head are {tying_words(a)}, the model's "
+                     f"{tying_words(b)}: set model.hf_config.tie_word_embeddings={str(a).lower()} "
+                     f"(model.tie_word_embeddings={str(a).lower()} for model.kind=llama)")
+    return lines
 
 
 def fingerprint_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -67,7 +89,15 @@ def sharding_notes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 
 def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], *, ckpt_dir: Path) -> list[str]:
-    """Raise CheckpointMismatchError on incompatible tensors; return notes for tolerated changes."""
+    """Raise CheckpointMismatchError on incompatible tensors, vocabulary size or embedding tying;
+    return notes for tolerated changes."""
+    if vocab := vocab_diff(saved, current):
+        # Before the tensor diff: a tie change leaves every name and shape as it was (a tied
+        # lm_head.weight is still in the state dict), and a vocabulary change is one setting.
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt_dir} does not fit this model; nothing was loaded:\n" + "\n".join(vocab)
+            + "\nthe checkpoint's config.yaml holds the settings it was trained with; or start fresh with "
+            "checkpoint.resume=none")
     diff = fingerprint_diff(saved, current)
     if diff:
         raise CheckpointMismatchError(

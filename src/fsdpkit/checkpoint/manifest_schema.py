@@ -49,8 +49,13 @@ def list_of(item: Check) -> Check:
     return check
 
 
-def record(fields: dict[str, Check]) -> Check:
-    """An object with at least these fields (more are allowed: newer writers may add some)."""
+def boolean(v: Any) -> str | None:
+    return None if isinstance(v, bool) else f"must be true or false, got {v!r:.40}"
+
+
+def record(fields: dict[str, Check], optional: dict[str, Check] | None = None) -> Check:
+    """An object with at least `fields`, and `optional` ones of the right shape where present
+    (more are allowed: newer writers may add some)."""
     def check(v: Any) -> str | None:
         if not isinstance(v, dict):
             return f"must be an object, got {type(v).__name__}"
@@ -58,6 +63,9 @@ def record(fields: dict[str, Check]) -> Check:
             if name not in v:
                 return f"lacks `{name}`"
             if problem := field_check(v[name]):
+                return f"`{name}` {problem}"
+        for name, field_check in (optional or {}).items():
+            if name in v and (problem := field_check(v[name])):
                 return f"`{name}` {problem}"
         return None
     return check
@@ -86,7 +94,8 @@ REQUIRED: dict[str, Check] = {
     "step": integer(0),
     "world_size": integer(1),
     "state_dict_type": one_of("sharded", "full"),
-    "fingerprint": record({"tensors": map_of(TENSOR_INFO)}),
+    # vocab_size and tied_embeddings: written since they were added; older manifests lack them
+    "fingerprint": record({"tensors": map_of(TENSOR_INFO)}, optional={"vocab_size": integer(1), "tied_embeddings": boolean}),
     "trainer": map_of(mapping),
     "tensors": map_of(record({"shape": list_of(integer()), "dtype": string, "hash": hex_digest})),
     "files": map_of(record({"size": integer(0), "xxh3_64": hex_digest})),

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -26,10 +25,14 @@ from fsdpkit.diagnostics import (
     Diagnostics,
     FSDPContractError,
 )
-from fsdpkit.model import logits as model_logits
+from fsdpkit.train.loss import masked_loss_sum, micro_batch_loss, micro_batch_terms, token_loss_sum
 from fsdpkit.train.metrics import MetricsLog, Progress, peak_memory_mib
 from fsdpkit.train.optim import clip_grad_norm
+from fsdpkit.train.stalled import FIRST_STEPS, nothing_trains_warning
 from fsdpkit.train.state import TrainState
+
+# Moved to fsdpkit.train.loss; callers import them from here too.
+__all__ = ["Trainer", "masked_loss_sum", "micro_batch_loss", "summarize", "token_loss_sum"]
 
 # Test hook: "<step>:<rank>" (or "<step>:*" for every rank) raises in that step, before its
 # optimizer update, as a bug or a bad batch would.
@@ -40,23 +43,6 @@ def _raise_if_injected(step: int, rank: int) -> None:
     spec = os.environ.get(RAISE_AT_ENV)
     if spec and spec in (f"{step}:{rank}", f"{step}:*"):
         raise RuntimeError(f"injected failure at step {step} on rank {rank} ({RAISE_AT_ENV})")
-
-
-def masked_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of inputs [B, L] against targets [B, L]; targets of -100 are skipped."""
-    logits = model_logits(model, inputs)  # [B, L, V]
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=-100)
-
-
-def token_loss_sum(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy of batch [B, L+1] (inputs batch[:, :-1], targets batch[:, 1:])."""
-    return masked_loss_sum(model, batch[:, :-1], batch[:, 1:])
-
-
-def micro_batch_loss(model: nn.Module, data: Dataset, indices: list[int], *, device: torch.device) -> torch.Tensor:
-    """Summed loss of samples `indices` over their trained targets."""
-    inputs, targets = data.labeled_batch(indices)
-    return masked_loss_sum(model, inputs.to(device), targets.to(device))
 
 
 @dataclass
@@ -110,14 +96,20 @@ class Trainer:
         global_tokens = max(1, self.train_data.target_count(global_batch))  # 1: a batch with nothing to train
         lr = self.scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        has_aux = False
         for i, indices in enumerate(micro):
             # Only the last micro-batch reduce-scatters; earlier ones accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            loss = micro_batch_loss(self.model, self.train_data, indices, device=self.device)
+            terms = micro_batch_terms(self.model, self.train_data, indices, device=self.device)
             mem.mark(FORWARD)
-            (loss / global_tokens).backward()
+            # MoE models add their router load-balancing term here (fsdpkit.train.loss explains the weighting)
+            (terms.objective_sum() / global_tokens).backward()
             mem.mark(BACKWARD)
-            loss_sum += loss.detach()
+            loss_sum += terms.ce_sum.detach()
+            if terms.aux is not None:
+                aux_sum += terms.aux.detach()
+                has_aux = True
         _raise_if_injected(self.state.step + 1, rank)
         watchdog.doing(f"step {step}: grad clipping and optimizer update")
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # skips params without grads
@@ -133,11 +125,17 @@ class Trainer:
         # One all-reduce per step carries the loss and the flags every rank must agree on
         # (preemption, checkpoint cadence by time, a failed background save: Checkpointer.local_flags).
         watchdog.doing(f"step {step}: end-of-step all-reduce")
-        total, *self._agreed = dist.all_reduce_sum([float(loss_sum), *self._local_flags()], device=self.device)
+        # The aux pair rides along only for models with an aux term (the same on every rank).
+        aux = [float(aux_sum), len(micro)] if has_aux else []
+        total, *reduced = dist.all_reduce_sum([float(loss_sum), *aux, *self._local_flags()], device=self.device)
+        aux_total, aux_count = reduced[:len(aux)] if aux else (None, None)
+        self._agreed = reduced[len(aux):]
         dt = time.perf_counter() - t0
         return {
             "step": self.state.step,
-            "loss": total / global_tokens,
+            "loss": total / global_tokens,  # the cross-entropy alone, also for MoE models
+            # the router load-balancing loss, unweighted, averaged over micro-batches and ranks
+            **({"aux_loss": aux_total / aux_count} if aux else {}),
             "grad_norm": grad_norm,
             "lr": lr,
             "tokens_per_s": global_tokens / dt,
@@ -207,6 +205,8 @@ class Trainer:
                 watchdog.step_finished()
                 progress.update(self.state.step, f"loss {record['loss']:.4f}")
                 records.append(record)
+                if len(records) == FIRST_STEPS and dist.is_main() and (why := nothing_trains_warning(records)):
+                    self.logger.warning("%s", why)
                 if preempted:
                     got = self.checkpointer.preemption.received
                     self.stopped_by = got.name if got is not None else "a preemption signal on another rank"

@@ -49,9 +49,10 @@ class MetricsLog:
     def step(self, record: dict[str, Any], *, quiet: bool = False) -> None:
         self.write(record)
         if not quiet and record["step"] % self.log_every == 0:
+            aux = f"  aux_loss {record['aux_loss']:.4f}" if "aux_loss" in record else ""  # MoE router balance
             self.logger.info(
-                "step %d  loss %.4f  grad_norm %.3f  lr %.2e  %.0f tok/s  %.0f ms",
-                record["step"], record["loss"], record["grad_norm"], record["lr"],
+                "step %d  loss %.4f%s  grad_norm %.3f  lr %.2e  %.0f tok/s  %.0f ms",
+                record["step"], record["loss"], aux, record["grad_norm"], record["lr"],
                 record["tokens_per_s"], record["step_time_s"] * 1000,
             )
 
