@@ -113,3 +113,16 @@ def test_a_one_dimensional_parameter_without_a_rule_is_named():
 
     with pytest.raises(NotImplementedError, match=r"no deterministic init rule for parameter 'gate.scale' \(\[4\]\) of Gate"):
         init_weights(torch.nn.ModuleDict({"gate": Gate()}), seed=0, std=0.02)
+
+
+def test_loading_a_folder_of_another_vocabulary_or_tying_is_refused_before_loading(gemma3, tmp_path):
+    from fsdpkit.model.embeddings import check_vocab_and_tie
+
+    with torch.device("meta"):
+        model = build_model(_cfg(gemma3))
+    raw = json.loads((gemma3 / "config.json").read_text())
+    check_vocab_and_tie(model, raw)
+    with pytest.raises(ValueError, match="the model has vocab_size 512, the folder's config.json 600"):
+        check_vocab_and_tie(model, raw | {"vocab_size": 600})
+    with pytest.raises(ValueError, match="tie_word_embeddings=false"):
+        check_vocab_and_tie(model, raw | {"tie_word_embeddings": False})
