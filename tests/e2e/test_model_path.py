@@ -13,9 +13,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import EXAMPLE_DATA, fsdpkit  # noqa: E402
-from hf_folders import make_folder  # noqa: E402
-
 from fsdpkit.train.metrics import read_records  # noqa: E402
+from hf_folders import make_folder  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 

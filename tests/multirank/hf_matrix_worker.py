@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hf_folders import make_folder, reference_model  # noqa: E402
-
 from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.model import build_model  # noqa: E402
 from fsdpkit.model.hf import hf_config  # noqa: E402
 from fsdpkit.parallel.init import init_weights  # noqa: E402
 from fsdpkit.parallel.policies import matching_modules  # noqa: E402
+from hf_folders import make_folder, reference_model  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

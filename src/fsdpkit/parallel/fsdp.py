@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from fsdpkit import dist
-from fsdpkit.log import get_logger
 from fsdpkit.config.schema import Config
+from fsdpkit.log import get_logger
 from fsdpkit.model import build_model, init_std, param_init_std, reset_nonpersistent_buffers
 from fsdpkit.model.hf import is_hf_model
 from fsdpkit.parallel.init import init_weights
@@ -34,7 +34,6 @@ from fsdpkit.parallel.policies import (
     offload_policy,
     reshard_after_forward,
 )
-
 
 log = get_logger("parallel")
 
