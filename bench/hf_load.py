@@ -34,7 +34,7 @@ load (model built, sharded, loaded: what the target is about) and, as literally 
 peak at the end of the first step, which also holds the gradients and AdamW's two moments (another
 3 x model_bytes/2 per rank that no fp32 AdamW run avoids): both are reported, each met / NOT met.
 
-Usage: python bench/hf_load.py [--runs 5] [--nproc 2] [--quick]
+Usage: python bench/hf_load.py [--runs 5] [--nproc 2] [--seq-len 128] [--quick]
 rank 0 of each launch writes its ranks' figures to a temporary JSON; the parent prints a markdown
 table and writes bench/results/hf_load.json (bench/results_md.py quotes its "markdown").
 """
@@ -237,11 +237,12 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(side: str, folder: Path, nproc: int, tmp: Path, i: int) -> list[dict]:
+    """One fresh torchrun launch of `side` (the folder evicted first); its ranks' figures."""
     evict(folder)
     out = tmp / f"{side}_{i}.json"
     run_dir = tmp / f"run_{side}_{i}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
-           "--side", side, "--folder", str(folder), "--out", str(out), "--run-dir", str(run_dir)]
+           "--side", side, "--seq-len", str(SEQ_LEN), "--folder", str(folder), "--out", str(out), "--run-dir", str(run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", T0_ENV: repr(time.time())}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
@@ -351,7 +352,7 @@ def report(args, sizes, folder: Path, runs: dict[str, list[list[dict]]], ceil: d
     result = {
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__, "world_size": args.nproc, "loadavg_1min_before_after": load_avg},
-        "quick": args.quick, "sizes": sizes, "params": n_params, "model_bytes_fp32": model_bytes,
+        "quick": args.quick, "seq_len": SEQ_LEN, "sizes": sizes, "params": n_params, "model_bytes_fp32": model_bytes,
         "safetensors_bytes_bf16": st_bytes, "folder_bytes": disk_bytes, "rss_bound_bytes": bound,
         "ceiling_read_s": ceil, "runs": runs, "medians": med, "time_ratio": ratio, "paired_time_ratio": paired,
         "targets": targets,
@@ -367,12 +368,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=None, help="launches per side (default 5; --quick 1)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN,
+                        help=f"tokens per rank in the step (default {SEQ_LEN}); the step is the same work on both sides")
     parser.add_argument("--quick", action="store_true", help="a 0.1 GiB model, one launch per side (smoke run)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # set in the ranks
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global SEQ_LEN
+    SEQ_LEN = args.seq_len
     if "RANK" in os.environ:
         worker(args)
         return
