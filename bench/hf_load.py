@@ -365,6 +365,7 @@ def report(args, sizes, folder: Path, runs: dict[str, list[list[dict]]], ceil: d
 
 
 def main() -> None:
+    global SEQ_LEN  # the ranks read it; set once from --seq-len
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=None, help="launches per side (default 5; --quick 1)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
@@ -376,7 +377,6 @@ def main() -> None:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global SEQ_LEN
     SEQ_LEN = args.seq_len
     if "RANK" in os.environ:
         worker(args)
