@@ -27,7 +27,7 @@ test: $(STAMP)
 multinode: $(STAMP)
 	$(BIN)/python -m pytest tests/multinode -m multinode -v -s
 
-# About 35-40 min on a 2-core VM (checkpoint.py ~25-30 of it; a reduced run took 16 min); writes bench/RESULTS.md (commit it).
+# About 45-50 min on a 2-core VM (checkpoint.py ~25-30 of it, hf_load.py ~10; a reduced run took 16 min); writes bench/RESULTS.md (commit it).
 # A failing benchmark does not stop the others; the summary says which did not run.
 bench: $(STAMP)
 	@date +%s > bench/.bench_started
@@ -37,6 +37,7 @@ bench: $(STAMP)
 	-$(BIN)/python bench/data.py
 	-$(BIN)/python bench/s3.py
 	-$(BIN)/python bench/gil.py
+	-$(BIN)/python bench/hf_load.py
 	$(BIN)/python bench/results_md.py --since $$(cat bench/.bench_started)
 
 # The CUDA/NCCL paths on one GPU (skipped, with the reason, without CUDA; CI has none), and the GPU

@@ -27,6 +27,7 @@ BENCHES = (  # (json, title, script)
     ("data.json", "Data pipeline", "bench/data.py"),
     ("s3.json", "Checkpoints on object storage (loopback S3 server)", "bench/s3.py"),
     ("gil.json", "A save's row checksums beside a training thread (GIL)", "bench/gil.py"),
+    ("hf_load.json", "Training from a Hugging Face folder: launch to first step, peak RSS", "bench/hf_load.py"),
 )
 
 
