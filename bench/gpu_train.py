@@ -82,6 +82,7 @@ import torch.distributed as tdist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
@@ -142,7 +143,8 @@ def overrides(args, *, kind: str, compile_: bool, ac: bool, batch: int, folder: 
 class Baseline:
     """The minimal FSDP2 loop (torchtitan's shape; see the module docstring)."""
 
-    def __init__(self, cfg, device: torch.device, *, compile_: bool, ac: bool, backend: str = "inductor"):
+    def __init__(self, cfg, device: torch.device, *, weights: dict[str, torch.Tensor], compile_: bool, ac: bool,
+                 backend: str = "inductor"):
         with torch.device("meta"):
             model = build_model(cfg.model)
         layers = model.model.layers  # reference and transformers Llama alike
@@ -162,7 +164,8 @@ class Baseline:
         for module in model.modules():  # loss / global tokens: grads are a plain SUM, as in fsdpkit
             if isinstance(module, FSDPModule):
                 module.set_gradient_divide_factor(1.0)
-        materialize(model, device=device, seed=cfg.seed)  # the same seeded weights as fsdpkit's side
+        materialize(model, device=device, seed=cfg.seed, init=False)  # buffers only; the weights come next
+        load_weights(model, weights)  # the same weights as fsdpkit's side
         o = cfg.optim
         params = list(model.parameters())
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},
@@ -194,6 +197,12 @@ class Baseline:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum / global_tokens, norm
+
+
+def load_weights(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Copy a full state dict into a sharded model (names without wrapper prefixes; DCP's helpers
+    strip checkpoint_wrapper's and compile's)."""
+    set_model_state_dict(model, dict(weights), options=StateDictOptions(full_state_dict=True))  # it replaces values
 
 
 def flops_per_token(model: nn.Module, *, seq_len: int) -> tuple[float, int]:
@@ -237,13 +246,27 @@ def timed_round(step, steps: int, device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def run_config(args, cfg, device: torch.device, *, compile_: bool, ac: bool, peak: float | None) -> dict:
-    """Both sides of one configuration; raises torch.OutOfMemoryError when they do not fit."""
+def run_config(args, cfg, device: torch.device, *, weights: dict[str, dict[str, torch.Tensor]], kind: str,
+               compile_: bool, ac: bool, peak: float | None) -> dict:
+    """Both sides of one configuration; raises torch.OutOfMemoryError when they do not fit.
+
+    fsdpkit's seeded init draws every weight on the CPU (~9 s for 1.2B parameters), so it runs once
+    per model (`weights[kind]` is empty the first time and filled here); every later build of
+    either side gets a copy of those weights.
+    """
     t_start = time.perf_counter()
     baseline = trainer = sides = None
     try:
-        trainer, plan = build_trainer(cfg, device=device, run_dir=Path(cfg.run_dir))
-        baseline = Baseline(cfg, device, compile_=compile_, ac=ac, backend=cfg.train.compile_backend)
+        first = kind not in weights
+        trainer, plan = build_trainer(cfg, device=device, run_dir=Path(cfg.run_dir), init=first)
+        if first:
+            full = get_model_state_dict(trainer.model, options=StateDictOptions(full_state_dict=True))
+            weights[kind] = {k: v.to("cpu", copy=True) for k, v in full.items()}  # may be views of the params
+            del full
+        else:
+            load_weights(trainer.model, weights[kind])
+        baseline = Baseline(cfg, device, weights=weights[kind], compile_=compile_, ac=ac,
+                            backend=cfg.train.compile_backend)
         t_built = time.perf_counter()
         global_tokens = cfg.train.global_batch_size * cfg.data.seq_len
 
@@ -335,6 +358,7 @@ def worker(args: argparse.Namespace) -> None:
               "seq_len": args.seq_len, "rounds": args.rounds, "steps_per_round": args.steps, "warmup_steps": args.warmup,
               "cpu_smoke": smoke, "inputs_written_s": t_inputs, "configs": []}
     fits: dict[tuple[str, bool], int] = {}
+    weights: dict[str, dict[str, torch.Tensor]] = {}  # by model kind: fsdpkit's seeded init, on the CPU
     spent: dict[bool, float] = {}  # seconds the last configuration took, by compile
     compiles = (False,) if smoke and args.compile_backend == "inductor" else (False, True)
     plan = [(kind, c, ac) for kind in args.models.split(",") for c in compiles for ac in (False, True)]
@@ -356,7 +380,8 @@ def worker(args: argparse.Namespace) -> None:
                                            tokens=tokens, run_dir=run_dir, device=device_name))
             oom = False
             try:
-                entry.update(micro_batch=batch, **run_config(args, cfg, device, compile_=compile_, ac=ac, peak=peak))
+                entry.update(micro_batch=batch, **run_config(args, cfg, device, weights=weights, kind=kind,
+                                                             compile_=compile_, ac=ac, peak=peak))
                 fits[(kind, ac)] = batch
             except torch.OutOfMemoryError:
                 oom = True
