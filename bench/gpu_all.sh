@@ -6,7 +6,7 @@
 # bench/gpu_checkpoint.py and the CUDA tests. Writes into $OUT (at most 8 files): gpu_train.json,
 # gpu_checkpoint.json, pytest.txt, machine.txt, log.txt, RESULTS-gpu-section.md.
 # For a try on a CPU machine: SMOKE=1 (both scripts with --cpu-smoke) INSTALL=0 (no wheels) PY=<python>.
-# Time limits (seconds) can be changed: TRAIN_S (250), CKPT_S (90), CKPT_PARTS (async), TESTS_S (120).
+# Time limits (seconds) can be changed: TRAIN_S (250), CKPT_S (90), CKPT_PARTS (async), TESTS_S (120); TRAIN_MODELS (ref,hf).
 set -u
 OUT=${OUT:?set OUT to the folder for the results}
 mkdir -p "$OUT"
@@ -51,7 +51,7 @@ $PY -c 'import hydra, omegaconf, fsdpkit; print("hydra", hydra.__version__, "ome
 [ -n "${SMOKE:-}" ] || part build-ext 60 $PY setup.py -q build_ext --inplace
 $PY -c 'from fsdpkit.checkpoint import hashing; print("C row hash extension:", hashing._rowhash is not None)' || true
 
-part train "$TRAIN_S" $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_train.py $SMOKE_ARG \
+part train "$TRAIN_S" $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_train.py $SMOKE_ARG --models "${TRAIN_MODELS:-ref,hf}" \
     --out "$OUT/gpu_train.json" --budget-s $(( TRAIN_S - 35 ))
 part checkpoint "$CKPT_S" $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_checkpoint.py $SMOKE_ARG \
     --size-gib 1 --runs 5 --parts "${CKPT_PARTS:-async}" --out "$OUT/gpu_checkpoint.json"

@@ -304,7 +304,10 @@ def main() -> None:
                 measure("dcp_fast", fast_start, lambda h: not h["upload"].done())
                 measure("dcp_fast_call", fast, lambda h: not h["upload"].done(), before_update=wait_staged)
             except Exception as e:  # noqa: BLE001 (a baseline failing must not lose fsdpkit's figures)
-                notes.append(f"failed: torchtitan's fast mode: {type(e).__name__}: {e}"[:1000])
+                import traceback
+
+                where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__)[-4:]))
+                notes.append(f"failed: torchtitan's fast mode: {type(e).__name__}: {e} (at {where})"[:1000])
             finally:
                 kwargs["async_stager"].close()
         times["quiet_step_s"] = quiet + [steps_while(lambda: False, train_step, at_least=10)[1]

@@ -95,6 +95,7 @@ from fsdpkit.config import compose_config
 from fsdpkit.data import GlobalSampler, build_datasets, rank_micro_batches
 from fsdpkit.log import LOGGER_NAME, setup_logging
 from fsdpkit.model import build_model
+from fsdpkit.model import vocab_size as model_vocab_size
 from fsdpkit.parallel.fsdp import materialize
 from fsdpkit.train.run import build_trainer
 
@@ -176,7 +177,7 @@ class Baseline:
                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
         self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            fused=device.type == "cuda", foreach=device.type != "cuda")
-        self.data, _ = build_datasets(cfg.data, vocab_size=cfg.model.vocab_size, seed=cfg.seed)
+        self.data, _ = build_datasets(cfg.data, vocab_size=model_vocab_size(model), seed=cfg.seed)
         self.sampler = GlobalSampler(num_samples=len(self.data), global_batch_size=cfg.train.global_batch_size,
                                      seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.model, self.micro_batch_size, self.grad_clip = model, cfg.train.micro_batch_size, cfg.train.grad_clip
