@@ -161,7 +161,8 @@ def test_import_on_3_ranks_reproduces_the_logits(work, tag):
     expected = reference_logits(work, variant, round_to=torch.bfloat16 if tag.endswith("bf16") else None)
     torch.testing.assert_close(imported, expected, rtol=0, atol=FP32_ATOL)
     reports = json.loads((work / "imported" / f"{tag}.json").read_text())
-    assert len(reports) == 3 and all(not r["missing"] and not r["unexpected"] for r in reports)
+    # every tensor loaded (a missing or unexpected one raises), none through a converter
+    assert len(reports) == 3 and all(r["loaded"] == reports[0]["loaded"] > 0 and not r["converted"] for r in reports)
     total = json.loads((work / "exports" / f"{tag}.report.json").read_text())["total_size"]
     # every rank read only its own slices: together exactly the file's tensors, each a third or so
     assert sum(r["bytes_read"] for r in reports) == total

@@ -45,6 +45,8 @@ class ShardingPlan:
     mesh: DeviceMesh
     units: list[str]
     checkpointed: list[str]
+    unit_classes: list[str]  # dotted paths of the wrapped modules' classes (what `auto` resolved to)
+    checkpointed_classes: list[str]
     compiled: list[str]
     mp_policy: MixedPrecisionPolicy
     reshard_after_forward: bool
@@ -87,6 +89,7 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
         for name, module in units:
             module.forward = torch.compile(module.forward, backend=backend)
             compiled.append(name)
+    unit_classes, checkpointed_classes = _class_paths(units), _class_paths(ac)  # before fully_shard renames classes
     mp = mixed_precision_policy(pol.mixed_precision)
     reshard = reshard_after_forward(cfg.strategy)
     kwargs = dict(mesh=mesh, offload_policy=offload_policy(cfg.strategy))
@@ -106,10 +109,16 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
         mesh=mesh,
         units=[name for name, _ in units],
         checkpointed=[name for name, _ in ac],
+        unit_classes=unit_classes,
+        checkpointed_classes=checkpointed_classes,
         compiled=compiled,
         mp_policy=mp,
         reshard_after_forward=reshard,
     )
+
+
+def _class_paths(modules: list[tuple[str, nn.Module]]) -> list[str]:
+    return list({f"{type(m).__module__}.{type(m).__qualname__}": None for _, m in modules})
 
 
 def warn_if_root_heavy(model: nn.Module, units: list[tuple[str, nn.Module]], *, policy: list[str]) -> None:

@@ -138,8 +138,8 @@ def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *,
     """Give the trainer a Checkpointer (the public API) over its model, optimizer, scheduler and
     Stateful pieces; `resume()` is the caller's next call."""
     sharding = {
-        "wrap_policy": list(cfg.policy.auto_wrap_policy),
-        "activation_checkpointing": list(cfg.policy.activation_checkpointing_policy),
+        "wrap_policy": plan.unit_classes,  # what the policy (`auto` included) resolved to
+        "activation_checkpointing": plan.checkpointed_classes,
         "mixed_precision": cfg.policy.mixed_precision,
         "reshard_after_forward": plan.reshard_after_forward,
         "compiled": bool(plan.compiled),
