@@ -40,13 +40,15 @@ class ModelConfig:
         return self.model_class or ", ".join(self.config.get("architectures") or []) or self.config.get("model_type", "?")
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path, *, where: str) -> dict[str, Any]:
+    """The JSON object in `path` (a Hugging Face config.json or generation_config.json); `where`
+    names it in the error (the flag or option that pointed there)."""
     try:
         data = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"--config {path}: cannot read it as JSON ({e})") from None
+        raise ValueError(f"{where}: cannot read it as JSON ({e})") from None
     if not isinstance(data, dict):
-        raise ValueError(f"--config {path}: expected a JSON object (a Hugging Face config.json)")
+        raise ValueError(f"{where}: expected a JSON object (a Hugging Face {path.name}), found {type(data).__name__}")
     return data
 
 
@@ -62,9 +64,9 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
     if not file.is_file():
         raise FileNotFoundError(f"--config {p}: no {CONFIG_FILE} there; give a config.json or a Hugging Face model "
                                 "folder that holds one")
-    config = _read_json(file)
+    config = read_json_object(file, where=f"--config {file}")
     generation_file = file.parent / GENERATION_FILE
-    generation = _read_json(generation_file) if generation_file.is_file() else None
+    generation = read_json_object(generation_file, where=f"--config {generation_file}") if generation_file.is_file() else None
     found = ModelConfig(path=file, config=config, generation=generation)
     _describe_model(found)
     return found

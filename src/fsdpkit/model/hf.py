@@ -15,7 +15,6 @@ touched. Nothing is listed per architecture.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
-CONFIG_FILE = "config.json"
+from fsdpkit.export.model_config import CONFIG_FILE, read_json_object
+
 # Keys of PretrainedConfig.to_dict() that describe the file, not the model.
 _BOOKKEEPING = frozenset({"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"})
 
@@ -48,13 +48,7 @@ def _read_folder_config(path: str) -> dict[str, Any]:
         raise FileNotFoundError(f"model.path={path} has no {CONFIG_FILE}; point it at a Hugging Face model folder (what "
                                 "save_pretrained writes: config.json beside the *.safetensors weights), not at a "
                                 "tokenizer or checkpoint folder")
-    try:
-        data = json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"model.path={path}: {CONFIG_FILE} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"model.path={path}: {CONFIG_FILE} is not a JSON object")
-    return data
+    return read_json_object(file, where=f"model.path={path}: {CONFIG_FILE}")
 
 
 def _refuse_unsupported(raw: dict[str, Any], *, path: str) -> None:
