@@ -37,7 +37,7 @@ from fsdpkit.checkpoint.torch_save import FileWindow, locate_tensor, tensor_in_b
 from fsdpkit.config import compose_config
 from fsdpkit.export.diffing import diff_checkpoints
 from fsdpkit.export.exporter import export_checkpoint
-from fsdpkit.export.hf_import import load_hf_weights
+from fsdpkit.export.hf_import import SafetensorsRows, load_hf_weights
 from fsdpkit.export.inspection import describe_chunks, inspect_checkpoint
 from fsdpkit.export.keys import clean_name, model_weights
 from fsdpkit.export.safetensors_io import StreamingSafetensorsWriter, plan_shards, read_header
@@ -419,3 +419,31 @@ def test_load_hf_weights_names_every_missing_unexpected_and_reshaped_key(tmp_pat
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(CheckpointMismatchError, match="2 problem"):  # never a tensor left random
         load_hf_weights(dst, tmp_path)
+
+
+def test_safetensors_rows_read_exactly_what_safe_open_reads_without_mapping_the_file(tmp_path):
+    """The loader's reader against the safetensors library's own: every piece equal, bit for bit;
+    while it reads, the file is not mapped into the process (its pages would count in the RSS)."""
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(7, 5, generator=g).to(torch.bfloat16), "b": torch.randn(9, generator=g),
+               "steps": torch.tensor(3, dtype=torch.int64), "e": torch.randn(0, 4, generator=g),
+               "cube": torch.randn(4, 3, 2, generator=g).half()}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, path)
+    pieces = {"w": [(slice(2, 5), slice(0, 5)), (slice(0, 7), slice(1, 4)), (slice(6, 7), slice(0, 5))],
+              "b": [(slice(0, 9),), (slice(4, 9),)], "cube": [(slice(1, 3), slice(0, 3), slice(1, 2))],
+              "e": [(slice(0, 0), slice(0, 4))]}
+    with SafetensorsRows(path) as rows:
+        got = [(name, None, rows.get_tensor(name)) for name in tensors]
+        got += [(name, piece, rows.get_slice(name)[piece]) for name, ps in pieces.items() for piece in ps]
+        maps = Path("/proc/self/maps")
+        assert not maps.exists() or str(path) not in maps.read_text()
+    with safe_open(str(path), framework="pt") as ref:
+        for name, piece, value in got:
+            want = ref.get_tensor(name) if piece is None else ref.get_slice(name)[piece]
+            assert value.dtype == want.dtype == tensors[name].dtype and torch.equal(value, want), (name, piece)
+    assert rows._fd is None  # closed by the context manager
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])  # one tensor's last bytes gone
+    with pytest.raises(CheckpointCorruptError, match="truncated or padded"):
+        SafetensorsRows(path)

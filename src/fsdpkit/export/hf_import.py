@@ -3,7 +3,7 @@ the slices it owns.
 
 For every parameter and persistent buffer, a DTensor's local shard is located in the global
 tensor (`compute_local_shape_and_global_offset`, any placements: Shard on any dim, Replicate,
-2-D meshes) and exactly that slice is read with safetensors' `get_slice`, converted to the
+2-D meshes) and exactly the rows that slice spans are read (`SafetensorsRows`), converted to the
 parameter's dtype and copied in. No rank materialises the full model, and no collective runs,
 so ranks may call it at different speeds. Everything is checked before the first copy.
 """
@@ -204,51 +204,52 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *,
         )
     conversions: Counter[str] = Counter()
     bytes_read = 0
-    handles: dict[Path, Any] = {}
+    handles: dict[Path, SafetensorsRows] = {}
 
-    def handle(file: Path) -> Any:
+    def handle(file: Path) -> SafetensorsRows:
         if file not in handles:
-            from safetensors import safe_open
-
-            handles[file] = RemoteSafetensors(file) if isinstance(file, RemotePath) else safe_open(str(file), framework="pt")
+            handles[file] = SafetensorsRows(file)
         return handles[file]
 
-    done: set[int] = set()
-    with torch.no_grad():
-        for name, source in plan.items():
-            target = params[name]
-            if id(target) in done:  # the second name of a tied weight
-                continue
-            done.add(id(target))
-            local, piece = _local_piece(target)
-            if name in grown:  # only the rows the file has: [0, its rows) of the global tensor
-                stop = min(piece[0].stop, grown[name])
-                local = local[: max(0, stop - piece[0].start)]
-                piece = (slice(piece[0].start, max(piece[0].start, stop)), *piece[1:])
-            if local.numel() == 0:
-                continue
-            file = handle(index[source][0])
-            values = file.get_tensor(source) if not piece else file.get_slice(source)[piece]
-            bytes_read += values.numel() * values.element_size()
-            if values.dtype != local.dtype:
-                conversions[f"{dtype_name(values.dtype)}->{dtype_name(local.dtype)}"] += 1
-            local.copy_(values.reshape(local.shape))
-        for group in groups.values():
-            for key in group.sources:
-                bytes_read += math.prod(index[key][2]) * index[key][1].itemsize
-            tensors: dict[str, list[torch.Tensor]] = {}  # in the planned (transformers') order
-            for key, pattern in group.sources.items():
-                tensors.setdefault(pattern, []).append(handle(index[key][0]).get_tensor(key))
-            group.converter.collected_tensors = tensors
-            out = group.converter.convert(group.first, model=model, config=model.config)
-            for name, values in out.items():
-                values = values[0] if isinstance(values, list) else values
-                local, piece = _local_piece(params[name])
+    try:
+        done: set[int] = set()
+        with torch.no_grad():
+            for name, source in plan.items():
+                target = params[name]
+                if id(target) in done:  # the second name of a tied weight
+                    continue
+                done.add(id(target))
+                local, piece = _local_piece(target)
+                if name in grown:  # only the rows the file has: [0, its rows) of the global tensor
+                    stop = min(piece[0].stop, grown[name])
+                    local = local[: max(0, stop - piece[0].start)]
+                    piece = (slice(piece[0].start, max(piece[0].start, stop)), *piece[1:])
+                if local.numel() == 0:
+                    continue
+                file = handle(index[source][0])
+                values = file.get_tensor(source) if not piece else file.get_slice(source)[piece]
+                bytes_read += values.numel() * values.element_size()
                 if values.dtype != local.dtype:
                     conversions[f"{dtype_name(values.dtype)}->{dtype_name(local.dtype)}"] += 1
-                if local.numel():
-                    local.copy_(values[piece] if piece else values)
-    handles.clear()
+                local.copy_(values.reshape(local.shape))
+            for group in groups.values():
+                for key in group.sources:
+                    bytes_read += math.prod(index[key][2]) * index[key][1].itemsize
+                tensors: dict[str, list[torch.Tensor]] = {}  # in the planned (transformers') order
+                for key, pattern in group.sources.items():
+                    tensors.setdefault(pattern, []).append(handle(index[key][0]).get_tensor(key))
+                group.converter.collected_tensors = tensors
+                out = group.converter.convert(group.first, model=model, config=model.config)
+                for name, values in out.items():
+                    values = values[0] if isinstance(values, list) else values
+                    local, piece = _local_piece(params[name])
+                    if values.dtype != local.dtype:
+                        conversions[f"{dtype_name(values.dtype)}->{dtype_name(local.dtype)}"] += 1
+                    if local.numel():
+                        local.copy_(values[piece] if piece else values)
+    finally:
+        for h in handles.values():
+            h.close()
     reset_nonpersistent_buffers(model)
     return {"loaded": len(plan) + len(converted), "converted": {n: list(g.sources) for n, g in converted.items()},
             "grown": grown, "ignored": ignored,
@@ -256,43 +257,70 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *,
             "conversions": dict(conversions), "bytes_read": bytes_read, "seconds": time.perf_counter() - t0}
 
 
-class RemoteSafetensors:
+class SafetensorsRows:
     """The part of `safetensors.safe_open` that loading uses (`get_tensor`, `get_slice(name)[piece]`),
-    over a file in object storage: the header is read once, and a piece costs one ranged read of
-    the dim-0 rows it spans (the other dims are cut in memory), so a rank fetches its own shard's
-    rows, not the file."""
+    read with plain reads instead of a memory map: a piece costs one read of the dim-0 rows it
+    spans (the other dims are cut in memory) into a buffer of its own, so a rank reads its own
+    shard's rows and holds no page of the file once they are copied (mapped file pages would stay
+    resident, counted in its RSS, until the file is closed). Local files are read with `pread`,
+    files in object storage with ranged GETs. Close it (or use it as a context manager)."""
 
-    def __init__(self, path: RemotePath):
+    def __init__(self, path: Path | RemotePath):
         self.path, self.header = path, read_header(path)
+        self._fd = None if isinstance(path, RemotePath) else os.open(path, os.O_RDONLY)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> SafetensorsRows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def get_tensor(self, name: str) -> torch.Tensor:
         return self.get_slice(name)[()]
 
-    def get_slice(self, name: str) -> _RemoteSlice:
-        return _RemoteSlice(self, name)
+    def get_slice(self, name: str) -> _RowSlice:
+        return _RowSlice(self, name)
+
+    def _read_into(self, view: memoryview, offset: int) -> int:
+        if self._fd is None:
+            return self.path.read_range_into(view, offset)
+        done = 0
+        while done < len(view):
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got == 0:
+                break
+            done += got
+        return done
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         dtype, shape, begin, _ = self.header.tensors[name]
         row = dtype.itemsize * math.prod(shape[1:])
-        first = self.header.data_start + begin + start * row
         data = bytearray((stop - start) * row)
-        got = self.path.read_range_into(memoryview(data), first) if data else 0
+        if not data:
+            return torch.empty([max(0, stop - start), *shape[1:]], dtype=dtype)
+        got = self._read_into(memoryview(data), self.header.data_start + begin + start * row)
         if got != len(data):
             raise CheckpointCorruptError(f"{self.path}: {name} ends early ({got} of {len(data)} bytes)")
-        return torch.frombuffer(data, dtype=dtype).reshape([stop - start, *shape[1:]]) if data else \
-            torch.empty([0, *shape[1:]], dtype=dtype)
+        return torch.frombuffer(data, dtype=dtype).reshape([stop - start, *shape[1:]])
 
 
-class _RemoteSlice:
-    def __init__(self, file: RemoteSafetensors, name: str):
+class _RowSlice:
+    def __init__(self, file: SafetensorsRows, name: str):
         self.file, self.name = file, name
 
     def __getitem__(self, piece: tuple[slice, ...]) -> torch.Tensor:
         shape = self.file.header.tensors[self.name][1]
         if not shape:  # a 0-dim tensor: its bytes are one "row"
             dtype, _, begin, end = self.file.header.tensors[self.name]
-            data = bytearray(self.file.path.read_range(self.file.header.data_start + begin,
-                                                       self.file.header.data_start + end))
+            data = bytearray(end - begin)
+            got = self.file._read_into(memoryview(data), self.file.header.data_start + begin)
+            if got != len(data):
+                raise CheckpointCorruptError(f"{self.file.path}: {self.name} ends early ({got} of {len(data)} bytes)")
             return torch.frombuffer(data, dtype=dtype).reshape([])
         piece = piece or tuple(slice(0, s) for s in shape)
         rows = self.file.rows(self.name, piece[0].start or 0, min(shape[0], piece[0].stop))
