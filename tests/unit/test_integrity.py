@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdpkit.checkpoint import resume
+from fsdpkit.checkpoint import Checkpointer, resume
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, ON_EXCEPTION, swap_in
 from fsdpkit.checkpoint.manifest import SEAL, manifest_digest, read_manifest
@@ -23,6 +23,7 @@ from fsdpkit.checkpoint.resume import committed_candidates, load_checkpoint, res
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import FAIL_MANIFEST_ENV, save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
+from fsdpkit.cli.main import main
 
 
 class Counter:
@@ -112,6 +113,51 @@ def test_explicit_resume_of_a_malformed_manifest_is_one_paragraph(root):
     with pytest.raises(CheckpointCorruptError, match="fails its own checksum"):
         resolve_checkpoint(str(root / "step_2"), ckpt_root=root, group=None)
     assert (root / "step_2").is_dir()  # a checkpoint named explicitly is never moved
+
+
+# -- a manifest that claims an older format -----------------------------------------------------
+def _checkpointer(root: Path, cursor: dict) -> Checkpointer:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    return Checkpointer(root, model=model, optimizer=torch.optim.AdamW(model.parameters()), state={"data": cursor})
+
+
+@pytest.mark.parametrize("seal", ["kept", "removed"])
+def test_a_manifest_downgraded_to_format_1_is_corrupt_not_unsealed(tmp_path, seal, capsys, caplog):
+    """Issue 35's repro: format_version 2 -> 1 (which had no seal), then the data cursor edited.
+    verify names the file and why; auto-resume skips it as it skips any corrupt checkpoint (moved
+    aside, never deleted) and loads the older checkpoint's cursor, not the edited one."""
+    root = tmp_path / "checkpoints"
+    cursor = {"epoch": 0, "position": 32}
+    with _checkpointer(root, cursor) as ckpt:
+        ckpt.resume()
+        ckpt.save(1)
+        cursor["position"] = 64
+        ckpt.save(2)
+    path = root / "step_2" / MANIFEST
+    manifest = json.loads(path.read_text())
+    manifest["format_version"] = 1
+    manifest["trainer"]["data"]["position"] = 9999
+    if seal == "removed":
+        del manifest[SEAL]
+    path.write_text(json.dumps(manifest, indent=1))
+
+    assert main(["ckpt", "verify", str(root / "step_2")]) == 1
+    out = capsys.readouterr().out
+    edited = ", yet it carries a manifest_sha256: its format_version was edited" if seal == "kept" else ""
+    assert (f"BAD: {path} claims format_version 1, which has no seal{edited}; fsdpkit reads only sealed manifests "
+            "(format 2), so the step, data position and schedule it records cannot be trusted") in out
+    assert out.splitlines()[-1] == "FAILED: 1 problem(s) in manifest.json"
+    with pytest.raises(CheckpointCorruptError, match="claims format_version 1, which has no seal"):
+        resolve_checkpoint(str(root / "step_2"), ckpt_root=root, group=None)  # named explicitly: refused
+
+    resumed: dict = {}
+    with caplog.at_level(logging.WARNING), _checkpointer(root, resumed) as ckpt:
+        assert ckpt.resume() == 1
+    assert resumed == {"epoch": 0, "position": 32}  # step 1's cursor, not 9999
+    (aside,) = root.glob("step_2.corrupt-*")
+    assert f"moved step_2 to {aside.name}: it failed verification" in caplog.text
+    assert json.loads((aside / MANIFEST).read_text()) == manifest  # kept as it was found
 
 
 # -- replacing a committed checkpoint ------------------------------------------------------------

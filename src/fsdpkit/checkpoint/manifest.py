@@ -10,13 +10,15 @@ The manifest carries state that changes training (the data cursor, the schedule,
 it is sealed by a checksum of its own: `manifest_sha256`, the SHA-256 of its canonical JSON (keys
 sorted, no whitespace) without that field. `read_manifest` checks the seal, then the shape, before
 any field is used; a manifest that fails either is a corrupt checkpoint.
+
+Format 1 (before seals) is not read at all: the version is a field of the manifest, so honouring an
+unsealed format would let any edited manifest switch its own seal off by claiming it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import platform
 from pathlib import Path
 from typing import Any
@@ -31,9 +33,8 @@ from fsdpkit.checkpoint.manifest_schema import manifest_problems
 from fsdpkit.checkpoint.storage import write_atomic
 from fsdpkit.model.embeddings import tying_words, vocab_and_tie
 
-log = logging.getLogger("fsdpkit.checkpoint")
 FORMAT = "fsdpkit-checkpoint"
-FORMAT_VERSION = 2  # 2: sealed by manifest_sha256, carries run_id
+FORMAT_VERSION = 2  # 2: sealed by manifest_sha256, carries run_id; the only version read
 SEAL = "manifest_sha256"
 
 
@@ -135,8 +136,8 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no manifest: the directory was never committed.
-        CheckpointCorruptError: unreadable, not sealed or wrongly sealed, malformed, or of an
-            unknown format version.
+        CheckpointCorruptError: unreadable, not sealed or wrongly sealed, malformed, or of any
+            format version but FORMAT_VERSION (an older one would carry no seal to check).
     """
     path = ckpt_dir / MANIFEST
     if not path.is_file():
@@ -157,17 +158,20 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointCorruptError(
             f"{path} has format_version {version}; this fsdpkit reads up to {FORMAT_VERSION}: upgrade fsdpkit"
         )
-    if version >= 2 and manifest.get(SEAL) != manifest_digest(manifest):
+    if version < FORMAT_VERSION:
+        edited = f", yet it carries a {SEAL}: its format_version was edited" if SEAL in manifest else ""
+        raise CheckpointCorruptError(
+            f"{path} claims format_version {version}, which has no seal{edited}; fsdpkit reads only sealed manifests "
+            f"(format {FORMAT_VERSION}), so the step, data position and schedule it records cannot be trusted"
+        )
+    if manifest.get(SEAL) != manifest_digest(manifest):
         raise CheckpointCorruptError(
             f"{path} fails its own checksum ({SEAL} {str(manifest.get(SEAL))[:16]}..., content "
             f"{manifest_digest(manifest)[:16]}...): it was edited or corrupted after the commit, and the step, "
             "data position and schedule it records cannot be trusted"
         )
-    if version == 1:
-        log.warning("%s was written by an fsdpkit without manifest checksums: its trainer state is not "
-                    "tamper-evident (save again to upgrade it)", path)
     problems = manifest_problems(manifest)
-    if not problems and version >= 2 and not isinstance(manifest.get("run_id"), str):
+    if not problems and not isinstance(manifest.get("run_id"), str):
         problems.append("lacks `run_id`")
     counters = manifest.get("trainer", {}).get("train") if not problems else None
     if isinstance(counters, dict) and counters.get("step", manifest["step"]) != manifest["step"]:
