@@ -34,6 +34,7 @@ from fsdpkit.checkpoint.errors import (
     UnsafeCheckpointError,
 )
 from fsdpkit.checkpoint.torch_save import FileWindow, locate_tensor, tensor_in_blob
+from fsdpkit.cli.main import main
 from fsdpkit.config import compose_config
 from fsdpkit.export.diffing import diff_checkpoints
 from fsdpkit.export.exporter import export_checkpoint
@@ -361,6 +362,30 @@ def test_verify_plain_dcp_checks_structure(tmp_path):
     gap = write_dcp(tmp_path / "gap", drop_chunk="embed")
     problems = "\n".join(verify_checkpoint(gap)["problems"])
     assert "model.embed at [8, 0] is listed but no file holds it" in problems
+
+
+def test_verify_of_plain_dcp_says_its_values_were_not_checked(tmp_path, capsys):
+    """A plain DCP checkpoint records no checksums: a flipped bit inside a tensor passes every
+    structural check, and DCP itself then loads a different value. verify's verdict says what it
+    checked (structure) and what it could not (values), never that the checkpoint is intact."""
+    good, flipped = write_dcp(tmp_path / "good"), write_dcp(tmp_path / "flipped")
+    shard = flipped / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    stored = TENSORS["embed"][0][:4].numpy().tobytes()  # rank 0's chunk of model.embed, as torch.save stores it
+    data[data.index(stored) + len(stored) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    dcp_to_torch_save(good, tmp_path / "good.pt")
+    dcp_to_torch_save(flipped, tmp_path / "flipped.pt")
+    loaded = [torch.load(tmp_path / f"{name}.pt", weights_only=True)["model"]["embed"] for name in ("good", "flipped")]
+    assert not torch.equal(*loaded)
+
+    assert main(["ckpt", "verify", str(flipped)]) == 0  # nothing it could check is wrong
+    out = capsys.readouterr().out
+    assert "checksums none recorded (plain DCP checkpoint): structure checked only" in out
+    assert out.splitlines()[-1] == ("STRUCTURE OK, VALUES NOT CHECKED: every file and chunk is present and well-formed, "
+                                    "but the checkpoint records no checksums, so tensor values could not be checked "
+                                    "(a flipped bit in one would pass)")
+    assert "intact" not in out and verify_checkpoint(flipped)["values_checked"] is False
 
 
 def test_diff_reports_keys_shapes_dtypes_and_values(tmp_path):

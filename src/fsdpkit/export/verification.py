@@ -10,6 +10,10 @@
 3. Optionally (`tensors=True`), every tensor's world-size-independent checksum recomputed from
    the data and compared with the manifest's.
 
+Only checksums tell a changed value from the saved one: a plain DCP or safetensors checkpoint with a
+flipped bit inside a tensor passes every structural check. The report says whether tensor values
+were checked (`values_checked`), so that a verdict never claims more than was looked at.
+
 It speaks fsdpkit first: a `latest` pointer that cannot be followed, and a directory that fsdpkit
 writes but never committed (no manifest.json; see fsdpkit.export.locate), are problems named as
 such, never checked as if they were plain DCP directories.
@@ -200,7 +204,8 @@ def verify_checkpoint(path: str | os.PathLike, *, threads: int = VERIFY_THREADS,
     committed (a directory fsdpkit writes, without manifest.json) are problems it finds.
 
     Returns:
-        {"path", "kind", "ok", "problems": [...], "bad_files": [...], "checked": {...}, "checksums": str}
+        {"path", "kind", "ok", "problems": [...], "bad_files": [...], "checked": {...}, "checksums": str,
+        "values_checked": bool (every byte was compared with recorded checksums; False: structure only)}
     Raises:
         FileNotFoundError: nothing checkpoint-like at `path`.
     """
@@ -208,7 +213,7 @@ def verify_checkpoint(path: str | os.PathLike, *, threads: int = VERIFY_THREADS,
         located = locate_checkpoint(path)
     except LatestPointerError as exc:
         return {"path": str(path), "kind": "fsdpkit", "ok": False, "problems": [str(exc)], "bad_files": [LATEST],
-                "checked": {}, "checksums": "none: no checkpoint to check", "notes": []}
+                "checked": {}, "checksums": "none: no checkpoint to check", "values_checked": False, "notes": []}
     report = _verify_one(located.path, threads=threads, tensors=tensors)
     optimizer = accelerate_part(located.path.parent, "optimizer")
     if located.path.name == ACCELERATE_MODEL.format(0) and optimizer is not None:  # Accelerate: its optimizer too
@@ -218,6 +223,7 @@ def verify_checkpoint(path: str | os.PathLike, *, threads: int = VERIFY_THREADS,
         report["checked"] = {k: report["checked"].get(k, 0) + other["checked"].get(k, 0)
                              for k in report["checked"].keys() | other["checked"].keys()}
         report["ok"] = report["ok"] and other["ok"]
+        report["values_checked"] = report["values_checked"] and other["values_checked"]
         report["path"] = f"{located.path} and {optimizer}"
     report["notes"] = located.notes
     return report
@@ -227,6 +233,7 @@ def _verify_one(ckpt: Path, *, threads: int, tensors: bool) -> dict[str, Any]:
     problems = _Problems()
     checked: dict[str, int] = {}
     checksums = "none recorded"
+    values_checked = False
     if is_uncommitted_fsdpkit_dir(ckpt):
         kind = "fsdpkit"
         checksums = "none: the checkpoint was never committed"
@@ -242,11 +249,13 @@ def _verify_one(ckpt: Path, *, threads: int, tensors: bool) -> dict[str, Any]:
             manifest = read_manifest(ckpt)
         except CheckpointError as exc:
             problems.add(MANIFEST, str(exc))
+            checksums = f"none checked: {MANIFEST}, which holds them, cannot be trusted"
             manifest = None
         if manifest is not None:
             failed = _checksum_problems(ckpt, manifest, problems, threads=threads)
             checked["files"] = len(manifest["files"])
             checksums = f"recomputed for {len(manifest['files'])} files"
+            values_checked = True  # every byte of every file, tensor data included
             if manifest.get("state_dict_type", "sharded") == "full":
                 kind = "fsdpkit-full"
                 _safetensors_structure(ckpt, [ckpt / n for n in manifest["files"] if n.endswith(".safetensors") and n not in failed], problems)
@@ -270,4 +279,5 @@ def _verify_one(ckpt: Path, *, threads: int, tensors: bool) -> dict[str, Any]:
         _safetensors_structure(ckpt, files, problems)
         checked["files"] = len(files)
     return {"path": str(ckpt), "kind": kind, "ok": not problems.items, "problems": [t for _, t in problems.items],
-            "bad_files": problems.bad_files(), "checked": checked, "checksums": checksums}
+            "bad_files": problems.bad_files(), "checked": checked, "checksums": checksums,
+            "values_checked": values_checked}
