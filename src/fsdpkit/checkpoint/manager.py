@@ -312,8 +312,10 @@ class Checkpointer:
                                  skip=frozenset(filter(None, os.environ.get(SKIP_RESTORE_ENV, "").split(","))))
         manifest = report["manifest"]
         what = "model weights only (optimizer, schedule, counters and data start fresh)" if model_only else "full state"
-        log.info("resumed %s from %s (step %d, saved on %d ranks) in %.2f s; post-load verification %.3f s",
-                 what, path, manifest["step"], manifest["world_size"], report["load_s"], report["verify_s"])
+        checked = ("restored state not verified (checkpoint.verify_on_load=false)" if report["verify_s"] is None
+                   else f"post-load verification {report['verify_s']:.3f} s")
+        log.info("resumed %s from %s (step %d, saved on %d ranks) in %.2f s; %s",
+                 what, path, manifest["step"], manifest["world_size"], report["load_s"], checked)
         for note in report["notes"]:
             log.info("note: %s", note)
         if not model_only:

@@ -167,7 +167,8 @@ def load_checkpoint(
     checks every file's checksum from the bytes read for loading (see verified_read.py): for a
     checkpoint that `resolve_checkpoint(verify_checksums=False)` found, in one read instead of two.
 
-    Returns: a report with the manifest, notes about tolerated changes and timings.
+    Returns: a report with the manifest, notes about tolerated changes and timings (`verify_s`:
+        None when the restored state was not verified).
     Raises:
         CheckpointMismatchError: incompatible model, or restored state differs from what was saved.
         CheckpointCorruptError: with `verify_files`, a file fails its checksum (the target then
@@ -190,10 +191,11 @@ def load_checkpoint(
         if rng is not None and "rng" not in skip:
             restore_rng(rng)
     t_load = time.perf_counter()
+    verify_s = None
     if verify:
         verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir)
-    t_verify = time.perf_counter()
-    return {"manifest": manifest, "notes": notes, "load_s": t_load - t0, "verify_s": t_verify - t_load}
+        verify_s = time.perf_counter() - t_load
+    return {"manifest": manifest, "notes": notes, "load_s": t_load - t0, "verify_s": verify_s}
 
 
 def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensors: dict[str, Any], *,
