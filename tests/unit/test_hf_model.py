@@ -125,3 +125,23 @@ def test_loading_a_folder_of_another_vocabulary_or_tying_is_refused_before_loadi
         check_vocab_and_tie(model, raw | {"vocab_size": 600})
     with pytest.raises(ValueError, match="tie_word_embeddings=false"):
         check_vocab_and_tie(model, raw | {"tie_word_embeddings": False})
+
+
+def test_a_config_with_infinite_fields_round_trips(tmp_path):
+    """FalconH1's time_step_limit defaults to (0.0, inf); transformers writes inf into config.json as
+    {"__float__": "Infinity"} and decodes it when it reads the file: so does every reader here."""
+    import transformers
+
+    from fsdpkit.export.hf_config import transformers_config
+    from fsdpkit.export.model_config import read_json_object
+    from fsdpkit.model.embeddings import folder_vocab_and_tie
+
+    transformers.FalconH1Config(vocab_size=96, tie_word_embeddings=False).save_pretrained(tmp_path)
+    on_disk = json.loads((tmp_path / "config.json").read_text())
+    assert on_disk["time_step_limit"][1] == {"__float__": "Infinity"}  # the tagged form this test is about
+    raw = read_json_object(tmp_path / "config.json", where="test")
+    assert raw["time_step_limit"] == [0.0, float("inf")]
+    assert folder_vocab_and_tie(on_disk) == {"vocab_size": 96, "tied_embeddings": False}
+    config, _ = hf_config(_cfg(tmp_path))
+    assert list(transformers_config({"hf_config": on_disk}).time_step_limit) == [0.0, float("inf")]
+    assert list(config.time_step_limit) == [0.0, float("inf")]

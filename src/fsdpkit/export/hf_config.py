@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from fsdpkit.checkpoint.manifest import dtype_name
+from fsdpkit.export.model_config import decode_special_floats
 
 # LlamaConfig fields our reference Llama fixes (see fsdpkit.model.llama): SwiGLU with SiLU, no
 # biases, no rope scaling. `rope_theta` at the top level is read by transformers 4.x and 5.x.
@@ -64,7 +65,7 @@ def transformers_config(model_cfg: dict[str, Any]) -> Any:
     """
     import transformers
 
-    kwargs = dict(model_cfg.get("hf_config") or {})
+    kwargs = decode_special_floats(dict(model_cfg.get("hf_config") or {}))
     if "model_type" not in kwargs:
         raise ValueError("the run config's model.hf_config has no model_type, so transformers cannot describe the "
                          "model; pass --config with the model's config.json or Hugging Face folder")

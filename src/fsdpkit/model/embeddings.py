@@ -63,7 +63,9 @@ def folder_vocab_and_tie(folder_config: dict[str, Any]) -> dict[str, Any]:
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.for_model(**folder_config)
+        from fsdpkit.export.model_config import decode_special_floats
+
+        config = AutoConfig.for_model(**decode_special_floats(folder_config))
     except (ImportError, ValueError, KeyError, TypeError):
         config = None
     if config is not None:

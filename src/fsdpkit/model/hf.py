@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdpkit.export.model_config import CONFIG_FILE, read_json_object
+from fsdpkit.export.model_config import CONFIG_FILE, decode_special_floats, read_json_object
 
 # Keys of PretrainedConfig.to_dict() that describe the file, not the model.
 _BOOKKEEPING = frozenset({"transformers_version", "_name_or_path", "architectures", "dtype", "torch_dtype"})
@@ -87,7 +87,7 @@ def hf_config(model_cfg: Any) -> tuple[Any, list[str]]:
     transformers = _transformers()
     overrides = dict(model_cfg.hf_config or {})
     if not model_cfg.path:
-        kwargs = dict(overrides)
+        kwargs = decode_special_floats(dict(overrides))
         config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
         _check_causal_lm(config, where=f"model.hf_config (model_type={config.model_type})")
         return config, []

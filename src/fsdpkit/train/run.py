@@ -18,6 +18,7 @@ from fsdpkit.data import GlobalSampler, build_datasets
 from fsdpkit.data.tokenizer import tokenizer_size
 from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
 from fsdpkit.export import export_checkpoint, load_hf_weights
+from fsdpkit.export.model_config import read_json_object
 from fsdpkit.log import get_logger, setup_logging
 from fsdpkit.model import grow_vocab, vocab_size
 from fsdpkit.model.embeddings import check_vocab_and_tie
@@ -85,7 +86,8 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     if init_from:
         config_json = Path(init_from).expanduser() / "config.json"
         if config_json.is_file():  # a local folder: its vocabulary and tying must be the model's
-            check_vocab_and_tie(model, json.loads(config_json.read_text()), grown_vocab_ok=grown)
+            check_vocab_and_tie(model, read_json_object(config_json, where=f"model.init_from={init_from}"),
+                                grown_vocab_ok=grown)
         loaded = load_hf_weights(model, init_from, rename=peft_base_name if lora else None, grow_rows=grown)
         log.info("initialised %d tensors from %s in %.2f s (rank 0 read %.1f MiB: its own slices)",
                  loaded["loaded"], init_from, loaded["seconds"], loaded["bytes_read"] / 2**20)
