@@ -36,6 +36,13 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
     "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False),
     "qwen3_moe": dict(_COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                       decoder_sparse_step=1, mlp_only_layers=[], tie_word_embeddings=False),
+    # Mamba-2 + attention hybrid: FalconH1Model's own init hook sets every layer's mup_vector buffer,
+    # and config.json holds an infinite time_step_limit (written by transformers as a tagged object)
+    "falcon_h1": dict(_COMMON, head_dim=16, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16,
+                      mamba_chunk_size=32, tie_word_embeddings=False),
+    # lightning (linear) attention in layer 1: its decay tables are persistent buffers, in the file
+    "minimax": dict(_COMMON, head_dim=16, num_local_experts=4, num_experts_per_tok=2, block_size=16,
+                    layer_types=["full_attention", "linear_attention"], tie_word_embeddings=False),
     "gpt_neox": dict(_IDS, vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      num_attention_heads=4, max_position_embeddings=256, tie_word_embeddings=False),
 }

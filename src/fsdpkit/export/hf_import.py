@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -32,6 +31,7 @@ from fsdpkit.checkpoint.storage import RemotePath, open_storage
 from fsdpkit.export.keys import clean_name
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
 from fsdpkit.model import reset_nonpersistent_buffers
+from fsdpkit.model.hf import transformers_class
 
 # Buffers that older transformers versions saved but that every model recomputes.
 IGNORED_FILE_KEYS = ("rotary_emb.inv_freq",)
@@ -83,13 +83,8 @@ def _conversions(model: nn.Module) -> tuple[list[Any], list[Any], dict[str, Any]
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-    wrapped = type(model)
-    if isinstance(model, FSDPModule):  # fully_shard made the class FSDP<Name>: transformers looks rules up by name
-        model.__class__ = next(c for c in wrapped.__mro__[1:] if c is not FSDPModule and not issubclass(c, FSDPModule))
-    try:
+    with transformers_class(model):  # the rules are looked up by class name
         mapping = get_model_conversion_mapping(model)
-    finally:
-        model.__class__ = wrapped
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
     return renamings, converters, {pattern: c for c in converters for pattern in c.source_patterns}
@@ -250,7 +245,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *,
     finally:
         for h in handles.values():
             h.close()
-    reset_nonpersistent_buffers(model)
+    reset_nonpersistent_buffers(model, keep_persistent=True)  # the persistent ones were just loaded
     return {"loaded": len(plan) + len(converted), "converted": {n: list(g.sources) for n, g in converted.items()},
             "grown": grown, "ignored": ignored,
             "files": sorted({str(index[s][0]) for s in [*plan.values(), *(k for g in groups.values() for k in g.sources)]}),

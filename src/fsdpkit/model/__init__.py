@@ -65,16 +65,19 @@ def vocab_size(model: nn.Module) -> int:
 
 
 @torch.no_grad()
-def reset_nonpersistent_buffers(model: nn.Module, *, leave_to_model: frozenset[int] = frozenset()) -> None:
+def reset_nonpersistent_buffers(model: nn.Module, *, leave_to_model: frozenset[int] = frozenset(),
+                                keep_persistent: bool = False) -> None:
     """Give every buffer the value the model's construction gives it, after to_empty() (RoPE
     tables, embedding scales, ...), and the parameters in `leave_to_model` (ids; transformers
-    models only) what the model's own init gives them; no other parameter is touched."""
+    models only) what the model's own init gives them; no other parameter is touched.
+    keep_persistent: the persistent buffers were just loaded (they are in the state dict, so in
+    the weights file): they keep the loaded values, as from_pretrained keeps them."""
     if isinstance(model, LlamaForCausalLM):
         model.reset_nonpersistent_buffers()
     else:
         from fsdpkit.model.hf import init_hf_buffers
 
-        init_hf_buffers(model, leave_to_model=leave_to_model)
+        init_hf_buffers(model, leave_to_model=leave_to_model, keep_persistent=keep_persistent)
 
 
 def logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -15,12 +15,15 @@ touched. Nothing is listed per architecture.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from fsdpkit.export.model_config import CONFIG_FILE, decode_special_floats, read_json_object
 
@@ -153,14 +156,37 @@ def is_hf_model(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def init_hf_buffers(model: nn.Module, *, leave_to_model: frozenset[int] = frozenset()) -> None:
+@contextlib.contextmanager
+def transformers_class(model: nn.Module) -> Iterator[nn.Module]:
+    """`model` seen, inside the block, with the class transformers built. fully_shard gives a root
+    the class FSDP<Name>, defined in a torch module: transformers looks conversion rules up by
+    class name, and treats a class defined outside `transformers.` as custom code, whose
+    `initialize_weights` skips every module whose own tensors are flagged initialised (so a hook
+    that sets a child's buffer from the parent, as FalconH1Model's does, would never run)."""
+    wrapped = type(model)
+    if isinstance(model, FSDPModule):
+        model.__class__ = next(c for c in wrapped.__mro__[1:] if not issubclass(c, FSDPModule))
+    try:
+        yield model
+    finally:
+        model.__class__ = wrapped
+
+
+def init_hf_buffers(model: nn.Module, *, leave_to_model: frozenset[int] = frozenset(),
+                    keep_persistent: bool = False) -> None:
     """Give every buffer (and the parameters whose id is in `leave_to_model`) the value the model's
-    own `_init_weights` gives it; no other parameter is touched.
+    own `_init_weights` gives it; no other parameter is touched. keep_persistent: buffers in the
+    state dict keep their current (loaded) values, as from_pretrained keeps what the file holds
+    (MiniMax's decay tables are persistent, and its hooks would recompute them in full precision).
 
     transformers' init functions skip tensors flagged `_is_hf_initialized`: every other parameter
     is flagged, and the modules' own flags (set when the model was built) are cleared so that the
     hooks run again.
     """
+    kept = {}
+    if keep_persistent:  # restored after the hooks, whichever way a hook writes (not all use init.*)
+        kept = {id(b): (b, b.detach().clone()) for m in model.modules() for n, b in m.named_buffers(recurse=False)
+                if n not in m._non_persistent_buffers_set}
     for module in model.modules():
         if "_is_hf_initialized" in module.__dict__:
             del module._is_hf_initialized
@@ -169,7 +195,11 @@ def init_hf_buffers(model: nn.Module, *, leave_to_model: frozenset[int] = frozen
         p._is_hf_initialized = id(p) not in leave_to_model
     for p in left.values():  # what no hook sets stays NaN, and is caught below
         _local(p).fill_(float("nan"))
-    model.initialize_weights()
+    with transformers_class(model):
+        model.initialize_weights()
+    with torch.no_grad():
+        for buffer, value in kept.values():
+            buffer.copy_(value)
     for p in model.parameters():
         p._is_hf_initialized = True
     unset = [f"{name} of {type(model.get_submodule(name.rpartition('.')[0])).__name__}"
