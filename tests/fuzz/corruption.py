@@ -3,11 +3,20 @@ can, then check what fsdpkit makes of it.
 
 For each mutation of the newest checkpoint (or of `latest`), on a private copy of a run's
 checkpoints root:
-- `fsdpkit ckpt verify` (verify_checkpoint) must name the damage, or the damage changed nothing;
+- `fsdpkit ckpt verify` (verify_checkpoint) must name the damage — blame the damaged file and say
+  its name in what it prints (a problem text or an error message) — or the damage changed nothing;
+  blaming only other files, or an error that does not name the damaged file, fails;
 - auto-resume (resolution + load, as `fsdpkit train` does it, on one rank) must skip the damaged
-  checkpoint and take the older one, or refuse with a CheckpointError, or load state identical to
-  the undamaged checkpoint's. A load of any other state is a *silent wrong load*; any other
-  exception is a *traceback*. Both fail the fuzz.
+  checkpoint with a warning that names the damaged file (a deleted manifest excepted: that is an
+  uncommitted directory, skipped quietly by design) and take the older one, or refuse with a
+  CheckpointError that names the damaged file, or load state identical to the undamaged
+  checkpoint's. A load of any other state is a *silent
+  wrong load*; any other exception is a *traceback*. Both fail the fuzz.
+
+"Identical" is judged without fsdpkit's checksums (the very thing that guards the load): every
+model, optimizer (state and param groups), RNG and Stateful item is compared, with torch.equal or
+==, against an independent copy of the undamaged checkpoint read by torch's own DCP reader
+(`dcp_to_torch_save`), and the restored trainer state against the undamaged manifest's JSON.
 
     python tests/fuzz/corruption.py --run RUN_DIR --count 64 --seed 0 --out report.json -- OVERRIDES...
 
@@ -30,18 +39,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.tensor import DTensor
 
 from fsdpkit import dist
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.layout import LATEST, MANIFEST
 from fsdpkit.checkpoint.manager import CheckpointGroups
 from fsdpkit.checkpoint.resume import committed_candidates
-from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.config import compose_config
 from fsdpkit.export.verification import verify_checkpoint
+from fsdpkit.log import LOGGER_NAME
 from fsdpkit.train.run import attach_checkpointer, build_trainer
 
-Mutation = Callable[[random.Random, Path, Path], str]  # (rng, checkpoint dir, root) -> description
+METADATA = ".metadata"  # DCP's index file
+Mutation = Callable[[random.Random, Path, Path], tuple[str, str]]
+"""(rng, checkpoint dir, root) -> (the damaged file's name: in the checkpoint directory, or `latest`
+in the root; what was done to it)."""
 
 
 # -- mutations -------------------------------------------------------------------------------------
@@ -75,40 +89,40 @@ def _shard(rng: random.Random, ckpt: Path) -> Path:
 
 def shard_flip(rng, ckpt, root):
     p = _shard(rng, ckpt)
-    return f"{p.name}: {_flip_bit(rng, p)}"
+    return p.name, f"{p.name}: {_flip_bit(rng, p)}"
 
 
 def shard_truncate(rng, ckpt, root):
     p = _shard(rng, ckpt)
-    return f"{p.name}: {_truncate(rng, p)}"
+    return p.name, f"{p.name}: {_truncate(rng, p)}"
 
 
 def shard_append(rng, ckpt, root):
     p = _shard(rng, ckpt)
-    return f"{p.name}: {_append(rng, p)}"
+    return p.name, f"{p.name}: {_append(rng, p)}"
 
 
 def shard_delete(rng, ckpt, root):
     p = _shard(rng, ckpt)
     p.unlink()
-    return f"{p.name} deleted"
+    return p.name, f"{p.name} deleted"
 
 
 def metadata_flip(rng, ckpt, root):
-    return f".metadata: {_flip_bit(rng, ckpt / '.metadata')}"
+    return METADATA, f".metadata: {_flip_bit(rng, ckpt / METADATA)}"
 
 
 def metadata_truncate(rng, ckpt, root):
-    return f".metadata: {_truncate(rng, ckpt / '.metadata')}"
+    return METADATA, f".metadata: {_truncate(rng, ckpt / METADATA)}"
 
 
 def metadata_delete(rng, ckpt, root):
-    (ckpt / ".metadata").unlink()
-    return ".metadata deleted"
+    (ckpt / METADATA).unlink()
+    return METADATA, ".metadata deleted"
 
 
 def manifest_flip(rng, ckpt, root):
-    return f"manifest: {_flip_bit(rng, ckpt / MANIFEST)}"
+    return MANIFEST, f"manifest: {_flip_bit(rng, ckpt / MANIFEST)}"
 
 
 def manifest_digit(rng, ckpt, root):
@@ -119,7 +133,7 @@ def manifest_digit(rng, ckpt, root):
     new = rng.choice([d for d in "0123456789" if d != text[i]])
     path.write_text(text[:i] + new + text[i + 1:])
     line = text.count("\n", 0, i) + 1
-    return f"manifest: digit {text[i]}->{new} on line {line} ({text.splitlines()[line - 1].strip()[:60]})"
+    return MANIFEST, f"manifest: digit {text[i]}->{new} on line {line} ({text.splitlines()[line - 1].strip()[:60]})"
 
 
 def _leaves(tree: Any, prefix: tuple = ()) -> list[tuple]:
@@ -161,7 +175,7 @@ def manifest_json_edit(rng, ckpt, root):
         parent[where[-1]] = _changed(rng, parent[where[-1]])
         what = f"set to {parent[where[-1]]!r:.40}"
     path.write_text(json.dumps(manifest, indent=1))
-    return f"manifest: {'.'.join(map(str, where))} {what}"
+    return MANIFEST, f"manifest: {'.'.join(map(str, where))} {what}"
 
 
 WRONG_SHAPES = ["[]", "null", "7", '"manifest"', "{}", '{"format": "fsdpkit-checkpoint"}']
@@ -173,7 +187,7 @@ def manifest_wrong_shape(rng, ckpt, root):
     choice = rng.randrange(len(WRONG_SHAPES) + 6)
     if choice < len(WRONG_SHAPES):
         path.write_text(WRONG_SHAPES[choice])
-        return f"manifest replaced by {WRONG_SHAPES[choice]}"
+        return MANIFEST, f"manifest replaced by {WRONG_SHAPES[choice]}"
     field = ["files", "step", "tensors", "trainer", "fingerprint", "world_size"][choice - len(WRONG_SHAPES)]
     if rng.random() < 0.5:
         del manifest[field]
@@ -182,22 +196,22 @@ def manifest_wrong_shape(rng, ckpt, root):
         manifest[field] = "oops"
         what = "a string"
     path.write_text(json.dumps(manifest, indent=1))
-    return f"manifest: `{field}` {what}"
+    return MANIFEST, f"manifest: `{field}` {what}"
 
 
 def manifest_truncate(rng, ckpt, root):
-    return f"manifest: {_truncate(rng, ckpt / MANIFEST)}"
+    return MANIFEST, f"manifest: {_truncate(rng, ckpt / MANIFEST)}"
 
 
 def manifest_delete(rng, ckpt, root):
     (ckpt / MANIFEST).unlink()
-    return "manifest deleted (the checkpoint is no longer committed)"
+    return MANIFEST, "manifest deleted (the checkpoint is no longer committed)"
 
 
 def latest_junk(rng, ckpt, root):
     junk = rng.choice([b"", b"\xff\xfe\x00garbage", b"step_999\n", b"../../etc\n", b"step_4\x00\n"])
     (root / LATEST).write_bytes(junk)
-    return f"latest = {junk!r}"
+    return LATEST, f"latest = {junk!r}"
 
 
 MUTATIONS: dict[str, Mutation] = {
@@ -210,6 +224,50 @@ MUTATIONS: dict[str, Mutation] = {
 
 
 # -- the checks -------------------------------------------------------------------------------------
+def flat_state(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts to DCP's dotted keys (lists are leaves: param_groups)."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat_state(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def independent_copy(ckpt: Path, work: Path) -> dict[str, Any]:
+    """What the undamaged `ckpt` holds, read without fsdpkit: every item by torch's own DCP reader
+    (format_utils.dcp_to_torch_save; no fsdpkit reader, no checksum), and the manifest's trainer
+    state as plain JSON. {"state": {DCP key: value} (RNG: rank 0's only, the one a 1-rank
+    resume restores), "trainer": {...}}."""
+    out = work / f"independent_{ckpt.name}.pt"
+    dcp_to_torch_save(ckpt, out)
+    state = flat_state(torch.load(out, weights_only=True))
+    out.unlink()
+    return {"state": {k: v for k, v in state.items() if not k.startswith("rng.") or k.startswith("rng.rank0.")},
+            "trainer": json.loads((ckpt / MANIFEST).read_text())["trainer"]}
+
+
+def differences(live: dict[str, Any], truth: dict[str, Any]) -> list[str]:
+    """Where the live state differs from an independent copy: tensors by torch.equal (with dtype and
+    shape), everything else by ==; empty when they are the same."""
+    a, b = live["state"], truth["state"]
+    found = [f"{k}: missing after the load" for k in sorted(b.keys() - a.keys())]
+    found += [f"{k}: loaded, not in the checkpoint" for k in sorted(a.keys() - b.keys())]
+    for k in sorted(a.keys() & b.keys()):
+        x, y = a[k], b[k]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            same = (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.dtype == y.dtype
+                    and x.shape == y.shape and torch.equal(x, y))
+        else:
+            same = x == y
+        if not same:
+            found.append(f"{k}: differs")
+    if live["trainer"] != truth["trainer"]:
+        found.append("trainer state (JSON) differs")
+    return found
+
+
 class Resumer:
     """One rank's trainer, rebuilt once; every load overwrites all of its state."""
 
@@ -222,8 +280,8 @@ class Resumer:
         groups = CheckpointGroups(sync=None, background=None, agreement=None)
         self.checkpointer = attach_checkpointer(self.trainer, cfg, plan, groups=groups)
 
-    def resume(self, root: Path) -> tuple[int | None, Any]:
-        """Auto-resume from `root` as `fsdpkit train` does: (step, state signature) or (None, None)."""
+    def resume(self, root: Path) -> tuple[int | None, dict[str, Any] | None]:
+        """Auto-resume from `root` as `fsdpkit train` does: (step, live state) or (None, None)."""
         ckpt = self.checkpointer
         ckpt.cfg.dir, ckpt.root, ckpt.resumed = str(root), root, None
         try:
@@ -232,47 +290,83 @@ class Resumer:
             ckpt.close(wait=False)  # the lock: every mutation is a new run of fsdpkit
         if ckpt.resumed is None:
             return None, None
-        return ckpt.resumed["step"], self.signature()
+        return ckpt.resumed["step"], self.live_state()
 
-    def signature(self) -> Any:
+    def live_state(self) -> dict[str, Any]:
+        """Everything the load restored, as `independent_copy` has it: model, optimizer (state and
+        param groups), this rank's RNG, Stateful tensors (gathered whole), and the trainer JSON."""
         target = self.checkpointer.target
-        _, tensors = tensor_table(target.tensor_state(rank=0), group=None)
-        return {k: v["hash"] for k, v in tensors.items()}, json.dumps(target.json_state(), sort_keys=True)
+        state = flat_state(target.tensor_state(rank=0))
+        state = {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
+        return {"state": state, "trainer": json.loads(json.dumps(target.json_state()))}
+
+
+def names(damaged: str, texts: list[str]) -> bool:
+    return any(damaged in text for text in texts)
+
+
+class Warnings(logging.Handler):
+    """fsdpkit's warnings (what a user reads when auto-resume skips a checkpoint), kept, not shown."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    @classmethod
+    def install(cls) -> Warnings:
+        handler, logger = cls(), logging.getLogger(LOGGER_NAME)
+        logger.handlers[:] = [handler]
+        logger.propagate = False
+        return handler
 
 
 def classify(kind: str, mutate: Mutation, rng: random.Random, pristine: Path, resumer: Resumer,
-             truth: dict[int, Any], newest: int, older: int, work: Path) -> dict[str, Any]:
+             truth: dict[int, Any], newest: int, older: int, work: Path, warnings: Warnings) -> dict[str, Any]:
     root = work / "root"
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(pristine, root)
     ckpt = root / f"step_{newest}"
-    description = mutate(rng, ckpt, root)
-    record: dict[str, Any] = {"kind": kind, "mutation": description}
+    damaged, description = mutate(rng, ckpt, root)
+    record: dict[str, Any] = {"kind": kind, "mutation": description, "damaged": damaged}
     target = root if kind == "junk latest" else ckpt
     try:
         report = verify_checkpoint(target)
-        record["verify"] = "named" if not report["ok"] else "ok"
+        if report["ok"]:
+            record["verify"] = "ok"
+        elif damaged in report["bad_files"] and names(damaged, report["problems"]):
+            record["verify"] = "named"  # the damaged file is blamed, and the text the user reads says so
+        else:
+            record["verify"] = f"misnamed: blamed {report['bad_files']}, not {damaged}"
         record["verify_problem"] = (report["problems"] or [""])[0][:200]
     except (ValueError, FileNotFoundError, CheckpointError) as e:
         # `fsdpkit ckpt verify` prints these as one-paragraph errors (exit 2): fine if they name the file
-        named = (LATEST if kind == "junk latest" else ckpt.name) in str(e) and not isinstance(e, UnicodeDecodeError)
+        named = names(damaged, [str(e)]) and not isinstance(e, UnicodeDecodeError)
         record["verify"] = "named" if named else f"unclear error: {type(e).__name__}: {e}"[:300]
         record["verify_problem"] = str(e)[:200]
     except Exception as e:  # noqa: BLE001 - a traceback is an outcome here
         record["verify"] = f"traceback: {type(e).__name__}: {e}"[:300]
+    warnings.messages.clear()
     try:
-        step, signature = resumer.resume(root)
+        step, live = resumer.resume(root)
+        wrong = differences(live, truth[step]) if step in truth else None
         if step is None:
             record["resume"] = "fresh start"
-        elif signature == truth[step] and step == older:
-            record["resume"] = "skipped to older"
+        elif wrong == [] and step == older:
+            quiet = kind == "manifest deleted"  # no manifest: never committed, skipped without a warning
+            record["resume"] = ("skipped to older" if quiet or names(damaged, warnings.messages)
+                                else f"skipped to older without naming {damaged}")
+            record["resume_warning"] = " | ".join(warnings.messages)[:300]
             record["moved_aside"] = any(p.name.startswith(f"step_{newest}.corrupt-") for p in root.iterdir())
-        elif signature == truth[step]:
+        elif wrong == []:
             record["resume"] = "loaded, unchanged"
         else:
-            record["resume"] = f"SILENT WRONG LOAD of step {step}"
+            record["resume"] = f"SILENT WRONG LOAD of step {step}: " + "; ".join((wrong or ["no such step"])[:3])
     except CheckpointError as e:
-        record["resume"] = "refused"
+        named = names(damaged, [str(e)])
+        record["resume"] = "refused" if named else f"refused without naming {damaged}"
         record["resume_error"] = str(e)[:300]
     except Exception as e:  # noqa: BLE001
         record["resume"] = f"traceback: {type(e).__name__}: {e}"[:300]
@@ -282,7 +376,8 @@ def classify(kind: str, mutate: Mutation, rng: random.Random, pristine: Path, re
 def verdict(record: dict[str, Any]) -> str | None:
     """Why `record` fails the fuzz, or None."""
     resume, verify = record["resume"], record["verify"]
-    if resume.startswith(("SILENT", "traceback")) or verify.startswith(("traceback", "unclear")):
+    if (resume.startswith(("SILENT", "traceback", "refused without")) or resume.endswith("without naming " + record["damaged"])
+            or verify.startswith(("traceback", "unclear", "misnamed"))):
         return f"resume: {resume}; verify: {verify}"
     if resume == "fresh start":
         return "auto-resume started fresh although an intact older checkpoint exists"
@@ -294,7 +389,7 @@ def verdict(record: dict[str, Any]) -> str | None:
 
 
 def run_fuzz(run_dir: Path, overrides: list[str], *, count: int, seed: int) -> dict[str, Any]:
-    logging.disable(logging.WARNING)  # the skips are the point here; the report says what happened
+    warnings = Warnings.install()  # the skips are the point here; the report says what happened
     pristine = run_dir / "checkpoints"
     steps = sorted(step for _, step in committed_candidates(pristine))
     if len(steps) < 2:
@@ -303,26 +398,19 @@ def run_fuzz(run_dir: Path, overrides: list[str], *, count: int, seed: int) -> d
     with tempfile.TemporaryDirectory(prefix="fsdpkit-fuzz-") as tmp:
         work = Path(tmp)
         resumer = Resumer(overrides, work)
-        truth = {}
-        for step in (older, newest):  # what an undamaged load of each gives
-            clean = work / f"clean{step}"
-            clean.mkdir()
-            shutil.copytree(pristine / f"step_{step}", clean / f"step_{step}")
-            got, signature = resumer.resume(clean)
-            assert got == step, (got, step)
-            truth[step] = signature
+        truth = {step: independent_copy(pristine / f"step_{step}", work) for step in (older, newest)}
         rng = random.Random(seed)
         kinds = list(MUTATIONS)
         records = []
         for i in range(count):
             kind = kinds[i % len(kinds)]  # every kind equally often; what it damages is random
             record = classify(kind, MUTATIONS[kind], random.Random(rng.getrandbits(64)), pristine, resumer, truth,
-                              newest, older, work)
+                              newest, older, work, warnings)
             record["failure"] = verdict(record)
             records.append(record)
     table: dict[str, Counter] = {}
     for r in records:
-        table.setdefault(r["kind"], Counter())[f"verify {r['verify'][:9]} / resume {r['resume'][:16]}"] += 1
+        table.setdefault(r["kind"], Counter())[f"verify {r['verify'][:9]} / resume {r['resume'][:32]}"] += 1
     return {"seed": seed, "count": count, "records": records,
             "failures": [r for r in records if r["failure"]],
             "table": {k: dict(v) for k, v in table.items()}}

@@ -3,6 +3,11 @@
 The public API for any FSDP2 loop is `Checkpointer` (see manager.py); `find_checkpoint` lets a
 loop learn before building its model whether it will resume. Errors derive from `CheckpointError`.
 The names below load on first use, so that `fsdpkit.checkpoint.errors` stays free of torch.
+
+What a checkpoint is on disk (every file, every manifest field, what each checksum covers and how
+it is computed, the format versions) is written down in docs/checkpoint-format.md, the normative
+description; manifest.py, hashing.py and save.py implement it, and tests/unit/test_known_answers.py
+and tests/multirank/test_format_fixture.py hold them to it.
 """
 
 from __future__ import annotations

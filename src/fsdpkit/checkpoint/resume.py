@@ -64,8 +64,10 @@ def set_aside(path: Path, why: str) -> None:
     except OSError as e:
         log.warning("could not move %s aside (%s); it stays, and stays skipped", path, e)
         return
+    # Every line of `why`: a failure found while loading puts the damaged files on the lines after the first.
+    reason = " ".join(line.strip() for line in why.splitlines() if line.strip())
     log.warning("moved %s to %s: it failed verification (%s); inspect or delete it yourself", path.name, new.name,
-                why.splitlines()[0][:300])
+                reason[:1000])
 
 
 def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None = None,
