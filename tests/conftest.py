@@ -82,3 +82,24 @@ def opens_o_direct(folder: Path) -> bool:
         return True
     finally:
         os.unlink(probe)
+
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """A gloo process group of one rank in this process (fsdpkit.dist.init_process_group), torn down
+    afterwards: the collectives run for real, in seconds."""
+    import socket
+
+    import torch.distributed as tdist
+
+    from fsdpkit import dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)  # init_process_group reads them (and sets them when absent)
+    dist.init_process_group(backend="gloo")
+    yield
+    tdist.destroy_process_group()

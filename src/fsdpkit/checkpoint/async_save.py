@@ -15,7 +15,8 @@ is done. The state is then still the state at the save's
 step, provided nothing but `optimizer.step()` changes it in place before that step (true of
 fsdpkit's trainer; a loop that does, e.g. an in-place weight edit, calls `wait_staged()` first).
 The loop's wait in that hook counts in the save's `stall_s`. Tensors on an accelerator are always
-staged before the call returns (a device-to-host copy into pinned memory is fast).
+staged before the call returns (a device-to-host copy into pinned memory is fast), and so is the
+state of a target without an optimizer (an EMA copy): there is no step to hook.
 
 The background thread's collectives run on their own gloo group, which nothing else uses while a
 save is in flight; DCP's planning, the tensor checksums, the file-list gather and the commit

@@ -150,7 +150,14 @@ class Checkpointer:
     Args:
         dir: the checkpoints root (step_<N>/ directories, `latest`).
         model: the FSDP2-sharded model (plain modules work too).
-        optimizer, scheduler: saved and restored with the model (optional).
+        optimizer: saved and restored with the model. None for a model without an optimizer of its
+            own (an EMA copy, a frozen teacher): its checkpoints hold the model, the RNG and
+            `state`, and their manifest records `"optimizer": null`. Resuming a checkpoint with
+            optimizer state without an optimizer, or one without optimizer state with an optimizer,
+            is refused (CheckpointMismatchError) unless resume_mode="model_only". With
+            async_staging="background" and no optimizer, the copy blocks as with "blocking" (the
+            background copy is guarded by the optimizer's step hook).
+        scheduler: saved and restored with the model (optional).
         state: name -> dict or Stateful; JSON in the manifest, tensors in the DCP files.
         config: a JSON-able dict recorded in every manifest (e.g. your run's settings).
         sharding: how the model was sharded, recorded in the fingerprint (notes on change).

@@ -2,9 +2,9 @@
 
 It records everything needed to trust and interpret the DCP files beside it: format version,
 step, run identity, world size and mesh, versions, the resolved config, the model fingerprint
-(tensor names, shapes and dtypes; vocabulary size and embedding tying), an optimizer summary, the
-small Stateful pieces (trainer counters, scheduler, data cursor), per-tensor checksums, per-file
-sizes and checksums, and timings.
+(tensor names, shapes and dtypes; vocabulary size and embedding tying), an optimizer summary
+(null for a model saved without an optimizer), the small Stateful pieces (trainer counters,
+scheduler, data cursor), per-tensor checksums, per-file sizes and checksums, and timings.
 
 The manifest carries state that changes training (the data cursor, the schedule, the counters), so
 it is sealed by a checksum of its own: `manifest_sha256`, the SHA-256 of its canonical JSON (keys
@@ -109,7 +109,11 @@ def check_fingerprint(saved: dict[str, Any], current: dict[str, Any], *, ckpt_di
     return sharding_notes(saved, current)
 
 
-def optimizer_summary(optimizer: torch.optim.Optimizer, *, step: int) -> dict[str, Any]:
+def optimizer_summary(optimizer: torch.optim.Optimizer | None, *, step: int) -> dict[str, Any] | None:
+    """The manifest's `optimizer`: class, hyper-parameters per param group, state keys and step;
+    None (`"optimizer": null`) records a checkpoint saved without an optimizer (an EMA, a teacher)."""
+    if optimizer is None:
+        return None
     groups = [{k: v for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])} for g in optimizer.param_groups]
     state_keys = sorted({k for s in optimizer.state.values() for k in s})
     return {"class": type(optimizer).__name__, "param_groups": groups, "state_keys": state_keys, "step": step}

@@ -49,6 +49,12 @@ def list_of(item: Check) -> Check:
     return check
 
 
+def nullable(check: Check) -> Check:
+    def checked(v: Any) -> str | None:
+        return None if v is None else check(v)
+    return checked
+
+
 def boolean(v: Any) -> str | None:
     return None if isinstance(v, bool) else f"must be true or false, got {v!r:.40}"
 
@@ -106,7 +112,7 @@ OPTIONAL: dict[str, Check] = {
     "committed_at": string,
     "reason": string,
     "metrics": mapping,
-    "optimizer": mapping,
+    "optimizer": nullable(mapping),  # null: saved without an optimizer (an EMA copy, a frozen teacher)
     "config": mapping,
     "mesh": mapping,
     "bytes_per_rank": list_of(integer()),

@@ -172,13 +172,16 @@ def load_checkpoint(
     Returns: a report with the manifest, notes about tolerated changes and timings (`verify_s`:
         None when the restored state was not verified).
     Raises:
-        CheckpointMismatchError: incompatible model, or restored state differs from what was saved.
+        CheckpointMismatchError: incompatible model, optimizer state saved but no optimizer to take
+            it (or the reverse; see check_optimizer), or restored state differs from what was saved.
         CheckpointCorruptError: with `verify_files`, a file fails its checksum (the target then
             holds partly loaded state: do not train on).
     """
     t0 = time.perf_counter()
     manifest = read_manifest(ckpt_dir)
     notes = check_fingerprint(manifest["fingerprint"], fingerprint, ckpt_dir=ckpt_dir)
+    if not model_only:
+        check_optimizer(manifest, target, ckpt_dir=ckpt_dir)
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     tensors: dict[str, Any] = {}
     if manifest.get("state_dict_type", "sharded") == "full":
@@ -198,6 +201,29 @@ def load_checkpoint(
         verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir)
         verify_s = time.perf_counter() - t_load
     return {"manifest": manifest, "notes": notes, "load_s": t_load - t0, "verify_s": verify_s}
+
+
+def check_optimizer(manifest: dict[str, Any], target: CheckpointTarget, *, ckpt_dir: Path) -> None:
+    """Raise CheckpointMismatchError, before anything is loaded, when the checkpoint holds
+    optimizer state and `target` has no optimizer, or the reverse: a full resume would drop
+    that state, or start an optimizer from nothing, without a word. A manifest without the
+    `optimizer` field (not written by a Checkpointer) is not checked."""
+    if "optimizer" not in manifest:
+        return
+    saved, live = manifest["optimizer"], target.optimizer
+    if saved is not None and live is None:
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt_dir} holds optimizer state ({saved.get('class', 'unknown class')}), and this "
+            "Checkpointer has no optimizer; nothing was loaded. Pass the optimizer (Checkpointer(..., "
+            "optimizer=opt)) to resume the run, or load the weights alone with resume_mode='model_only' "
+            "(checkpoint.resume_mode=model_only): counters, schedule and data then start fresh")
+    if saved is None and live is not None:
+        raise CheckpointMismatchError(
+            f"checkpoint {ckpt_dir} was saved without an optimizer (its manifest records \"optimizer\": null), and "
+            f"this Checkpointer has an optimizer ({type(live).__name__}); nothing was loaded. Leave optimizer= out "
+            "to resume it as it was saved, or load its weights into a fresh optimizer with "
+            "resume_mode='model_only' (checkpoint.resume_mode=model_only): counters, schedule and data then "
+            "start fresh too")
 
 
 def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensors: dict[str, Any], *,
@@ -224,7 +250,7 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
     state and the Stateful pieces' tensors (by `state.<name>.<path>`). `files` is the manifest's
     list; with `check_files`, every file's checksum is verified from the bytes read
     (CheckpointCorruptError)."""
-    state = target.tensor_state(rank=rank, with_optimizer=not model_only)
+    state = target.tensor_state(rank=rank, model_only=model_only)
     if check_files and is_url(ckpt_dir):
         # object storage has no verifying reader: stream every file's checksum first (two reads)
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
@@ -270,7 +296,7 @@ def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group
     optimizer step counts. Any difference is an error naming the key and both values."""
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     # checkpoints written before the algorithm was recorded used `linear`
-    _, live = tensor_table(target.tensor_state(rank=rank, with_optimizer=not model_only), group=group,
+    _, live = tensor_table(target.tensor_state(rank=rank, model_only=model_only), group=group,
                            algorithm=manifest.get("tensor_hash", LINEAR))
     saved = {k: v for k, v in manifest["tensors"].items() if not model_only or k.startswith("model.")}
     problems = [f"{k}: in the checkpoint, not restored" for k in sorted(saved.keys() - live.keys())]
@@ -280,7 +306,7 @@ def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group
             if saved[k][field] != live[k][field]:
                 problems.append(f"{k}: {field} saved {saved[k][field]}, restored {live[k][field]}")
     expected = manifest.get("trainer", {}).get("train", {}).get("step")  # a loop without fsdpkit's counters: none
-    if not model_only and expected is not None:
+    if not model_only and expected is not None and target.optimizer is not None:
         opt_steps = {int(s["step"]) for s in target.optimizer.state.values() if "step" in s}
         if opt_steps and opt_steps != {expected}:
             problems.append(f"optimizer step counts {sorted(opt_steps)} differ from the trainer step {expected}")

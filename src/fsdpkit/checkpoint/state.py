@@ -94,20 +94,26 @@ class CheckpointTarget:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
+    """None: a model trained by no optimizer of its own (an EMA copy, a frozen teacher); its
+    checkpoints hold no `optim.*` tensors and their manifest records `"optimizer": null`."""
     stateful: dict[str, Stateful] = field(default_factory=dict)
     """Rank-identical state (train counters, scheduler, data cursor, an EMA...): JSON in the
     manifest, and its tensors, if any, in the DCP files under `state.<name>.`."""
 
-    def tensor_state(self, *, rank: int, with_optimizer: bool = True) -> dict[str, Any]:
-        """The DCP state dict: model and optimizer shards, the Stateful pieces' tensors, and this
-        rank's RNG state."""
-        if self.optimizer is not None and with_optimizer:
+    def tensor_state(self, *, rank: int, model_only: bool = False) -> dict[str, Any]:
+        """The DCP state dict: model and optimizer shards (no `optim` without an optimizer), the
+        Stateful pieces' tensors, and this rank's RNG state; with `model_only`, the model alone."""
+        if model_only:
+            return {"model": get_model_state_dict(self.model)}
+        if self.optimizer is not None:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            out = {"model": model_sd, "optim": optim_sd, "rng": {f"rank{rank}": capture_rng()}}
-            if tensors := self._stateful_tensors():
-                out["state"] = tensors
-            return out
-        return {"model": get_model_state_dict(self.model)}
+            out = {"model": model_sd, "optim": optim_sd}
+        else:
+            out = {"model": get_model_state_dict(self.model)}
+        out["rng"] = {f"rank{rank}": capture_rng()}
+        if tensors := self._stateful_tensors():
+            out["state"] = tensors
+        return out
 
     def restore_tensors(self, state: dict[str, Any]) -> None:
         if "optim" in state:

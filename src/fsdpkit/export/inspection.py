@@ -167,6 +167,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             "counters": trainer.get("train"),
             "data_cursor": trainer.get("data"),
             "optimizer": manifest.get("optimizer"),
+            # a Checkpointer without an optimizer (an EMA copy, a frozen teacher) records "optimizer": null
+            "saved_without_optimizer": "optimizer" in manifest and manifest["optimizer"] is None,
             "optimizer_states": _optimizer_states(tensors),
             "checksums": _checksum_status(opened),
             "groups": groups,
@@ -203,7 +205,9 @@ def render_text(report: dict[str, Any], *, all_tensors: bool = False) -> str:
             text = ", ".join(f"{k}={v}" for k, v in values.items()) if isinstance(values, dict) else values
             lines.append(f"  {section:<14}{text}")
     opt = report.get("optimizer")
-    if opt or report["optimizer_states"]:
+    if report.get("saved_without_optimizer") and not report["optimizer_states"]:
+        lines.append(f"{'optimizer':<12}none: saved without an optimizer (model, RNG and state only)")
+    elif opt or report["optimizer_states"]:
         lines.append("optimizer")
         if opt:
             groups = opt.get("param_groups") or []
