@@ -10,6 +10,7 @@ import pytest
 
 from fsdpkit.checkpoint import mirror
 from fsdpkit.checkpoint.layout import MANIFEST
+from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.storage import open_storage
 from fsdpkit.config import compose_config
 
@@ -17,57 +18,59 @@ from fsdpkit.config import compose_config
 @pytest.fixture
 def mirrored(tmp_path):
     root = open_storage(f"memory://fsdpkit-mirror-{uuid.uuid4().hex}/checkpoints")
-    mirror.configure(str(tmp_path / "mirror"), root=root)
-    yield root, tmp_path / "mirror"
-    mirror.configure("", root=root)
+    return root, Mirror(tmp_path / "mirror", root=root)
 
 
-def _commit(root, name: str, files: dict[str, bytes]) -> None:
+def _commit(root, copy: Mirror, name: str, files: dict[str, bytes]) -> None:
     """What a save does: each file to the bucket and (tee) to the mirror, the remote manifest, then publish."""
-    local = mirror.start_writing(root / name)
+    local = copy.start_writing(root / name)
     for fname, data in files.items():
         (root / name / fname).write_bytes(data)
         (local / fname).write_bytes(data)
     (root / name / MANIFEST).write_text(json.dumps({"files": {f: {"size": len(d)} for f, d in files.items()}}))
-    mirror.publish(root / name)
+    copy.publish(root / name)
 
 
 def test_a_restart_reads_the_copy_only_when_it_matches_the_bucket(mirrored):
-    root, local = mirrored
-    _commit(root, "step_2", {"__0_0.distcp": b"abc", ".metadata": b"m"})
-    assert mirror.mirror_dir(root / "step_2.incoming") == local / "step_2"  # a replacement lands on its name
+    root, copy = mirrored
+    local = copy.local
+    _commit(root, copy, "step_2", {"__0_0.distcp": b"abc", ".metadata": b"m"})
+    assert copy.mirror_dir(root / "step_2.incoming") == local / "step_2"  # a replacement lands on its name
     assert (local / "step_2" / MANIFEST).read_bytes() == (root / "step_2" / MANIFEST).read_bytes()
-    assert mirror.usable_mirror(root / "step_2") == (local / "step_2", "its manifest equals the remote one and every file is there")
+    assert copy.usable(root / "step_2") == (local / "step_2", "its manifest equals the remote one and every file is there")
     (local / "step_2" / "__0_0.distcp").write_bytes(b"ab")  # a truncated file
-    copy, why = mirror.usable_mirror(root / "step_2")
-    assert copy is None and why.endswith("__0_0.distcp is missing or has the wrong size")
+    found, why = copy.usable(root / "step_2")
+    assert found is None and why.endswith("__0_0.distcp is missing or has the wrong size")
     (local / "step_2" / MANIFEST).write_text((root / "step_2" / MANIFEST).read_text() + "\n")  # one byte more
-    assert mirror.usable_mirror(root / "step_2")[0] is None
-    assert mirror.mirror_dir(open_storage("memory://elsewhere/checkpoints/step_2")) is None  # not this run's root
+    assert copy.usable(root / "step_2")[0] is None
+    assert copy.mirror_dir(open_storage("memory://elsewhere/checkpoints/step_2")) is None  # not this run's root
 
 
 def test_pruning_follows_the_bucket_and_a_save_unpublishes_its_copy_first(mirrored):
-    root, local = mirrored
-    _commit(root, "step_2", {"a": b"1"})
-    _commit(root, "step_4", {"a": b"2"})
+    root, copy = mirrored
+    local = copy.local
+    _commit(root, copy, "step_2", {"a": b"1"})
+    _commit(root, copy, "step_4", {"a": b"2"})
     (local / "notes").mkdir()  # not checkpoint-shaped: never touched
     (root / "step_2" / MANIFEST).unlink()  # retention in the bucket (manifest first)
-    mirror.start_writing(root / "step_4")  # a save of step 4 again: its copy is no checkpoint until committed
+    copy.start_writing(root / "step_4")  # a save of step 4 again: its copy is no checkpoint until committed
     assert not (local / "step_4" / MANIFEST).exists()
-    _commit(root, "step_6", {"a": b"3"})
+    _commit(root, copy, "step_6", {"a": b"3"})
     assert sorted(p.name for p in local.iterdir()) == [".mirror_of", "notes", "step_6"]
 
 
 def test_local_dir_is_refused_where_it_cannot_work(tmp_path, mirrored, monkeypatch):
-    root, local = mirrored
+    root, copy = mirrored
+    local = copy.local
+    assert Mirror.open("", root=root) is None  # no checkpoint.local_dir: no mirror
     with pytest.raises(ValueError, match="mirrors memory://.*give each run its own local_dir"):
-        mirror.configure(str(local), root=open_storage("memory://other-bucket/checkpoints"))
+        Mirror(local, root=open_storage("memory://other-bucket/checkpoints"))
     with pytest.raises(ValueError, match="checkpoint.dir=.* is local; set checkpoint.dir to a URL"):
-        mirror.configure(str(tmp_path / "m2"), root=tmp_path / "checkpoints")
+        Mirror(tmp_path / "m2", root=tmp_path / "checkpoints")
     theirs = tmp_path / "old-run-checkpoints"  # someone's checkpoints: pruning would delete them
     (theirs / "step_5").mkdir(parents=True)
     with pytest.raises(ValueError, match="already holds step_5, which no mirror wrote"):
-        mirror.configure(str(theirs), root=root)
+        Mirror(theirs, root=root)
     assert (theirs / "step_5").is_dir() and not (theirs / mirror.MIRROR_OF).exists()
     monkeypatch.setenv("WORLD_SIZE", "16")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")

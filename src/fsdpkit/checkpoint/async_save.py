@@ -39,6 +39,7 @@ import torch.distributed as tdist
 
 from fsdpkit import watchdog
 from fsdpkit.checkpoint.layout import CkptPath
+from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.save import Snapshot, capture, stage_hashing, write_snapshot
 from fsdpkit.checkpoint.staging import (
     allocate,
@@ -81,8 +82,10 @@ class SaveResult:
 class AsyncSaver:
     """Stages state into a reused host buffer and writes it on one background thread."""
 
-    def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1, background_staging: bool = False):
+    def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1, background_staging: bool = False,
+                 mirror: Mirror | None = None):
         self.group, self.thread_count, self.background_staging = group, thread_count, background_staging
+        self.mirror = mirror  # the owning Checkpointer's checkpoint.local_dir copy, if any
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
         threads = copy_threads()  # a blocking host copy on this many threads (see staging.py)
         self._copiers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdpkit-stage") if threads > 1 else None
@@ -148,7 +151,7 @@ class AsyncSaver:
                         copied.set()  # an error is raised by wait(); the loop must not hang on it
                 time.sleep(float(os.environ.get(SLOW_WRITE_ENV, 0)))
                 manifest = write_snapshot(staged, ckpt_dir=ckpt_dir, group=self.group, thread_count=self.thread_count,
-                                          on_commit=on_commit)
+                                          on_commit=on_commit, mirror=self.mirror)
             finally:
                 watchdog.doing(None, slot=watchdog.BACKGROUND)
             result.background_s = time.perf_counter() - t_bg

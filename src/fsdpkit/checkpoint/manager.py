@@ -12,6 +12,11 @@ exactly this class).
 
 Every method is collective: all ranks call it at the same point. Keyword arguments are the
 `checkpoint.*` settings of the trainer (see the README's option table); the defaults are the same.
+
+Everything a Checkpointer uses belongs to it: its settings (`cfg`), its storage options (they travel
+with `root`, see storage.py), its local mirror (`mirror`, see mirror.py), its process groups and
+its retention. Two Checkpointers in one process (a model and its EMA, a teacher and a student)
+share nothing; a preemption signal, which reaches the process, is passed to both (preemption.py).
 """
 
 from __future__ import annotations
@@ -29,11 +34,11 @@ import torch
 import torch.distributed as tdist
 from torch import nn
 
-from fsdpkit.checkpoint import mirror
 from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, CkptPath, step_dir_name
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary, read_manifest
+from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.object_lock import ObjectLock
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim, lock_for, new_run_id
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
@@ -41,7 +46,7 @@ from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint, set_a
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful
-from fsdpkit.checkpoint.storage import as_path, configure, is_url
+from fsdpkit.checkpoint.storage import is_url, open_storage
 from fsdpkit.config import validate_checkpoint
 from fsdpkit.config.schema import CheckpointConfig
 from fsdpkit.dist import on_main
@@ -98,10 +103,9 @@ def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) 
     whether it will resume (to skip random init) calls this, then `Checkpointer.resume(found)`.
     With `local_dir`, the local copy of the resolved checkpoint replaces it when it matches (mirror.py)."""
     held: list[DirectoryLock | ObjectLock] = []
-    configure(cfg.storage_options)
-    root = as_path(cfg.dir)
+    root = open_storage(cfg.dir, cfg.storage_options)
     remote = is_url(cfg.dir) or is_url(cfg.resume)
-    _configure_mirror(cfg, root)
+    mirror = Mirror.open(cfg.local_dir, root=root)
 
     def acquire() -> None:
         root.mkdir(parents=True, exist_ok=True)
@@ -111,13 +115,14 @@ def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) 
     lock = held[0] if held else None
     try:
         # with a mirror, the remote copy's checksums are streamed only when the mirror is not used
-        path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group,
-                                  verify_checksums=cfg.verify_checksums and remote and not cfg.local_dir)
-        local = _agreed_mirror(path, group=group) if cfg.local_dir and path is not None else None
+        path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group, storage_options=cfg.storage_options,
+                                  verify_checksums=cfg.verify_checksums and remote and mirror is None)
+        local = _agreed_mirror(path, mirror, group=group) if mirror is not None and path is not None else None
         if local is not None:
             return Found(path=local, lock=lock, verify_while_loading=cfg.verify_checksums, mirror_of=path)
-        if cfg.local_dir and cfg.verify_checksums and path is not None:
-            path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group, verify_checksums=True)
+        if mirror is not None and cfg.verify_checksums and path is not None:
+            path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group, storage_options=cfg.storage_options,
+                                      verify_checksums=True)
     except BaseException:
         if lock is not None:
             lock.release()
@@ -125,16 +130,11 @@ def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) 
     return Found(path=path, lock=lock, verify_while_loading=cfg.verify_checksums and path is not None and not remote)
 
 
-def _configure_mirror(cfg: CheckpointConfig, root: CkptPath) -> None:
-    mirror.check_single_node(cfg.local_dir)
-    mirror.configure(cfg.local_dir, root=root)
-
-
-def _agreed_mirror(remote: CkptPath, *, group: tdist.ProcessGroup | None) -> Path | None:
+def _agreed_mirror(remote: CkptPath, mirror: Mirror, *, group: tdist.ProcessGroup | None) -> Path | None:
     """Collective: the local copy of `remote` every rank reads instead (rank 0 decides: the mirror
     is one node's, every rank sees the same directory), or None."""
     def decide() -> str | None:
-        local, why = mirror.usable_mirror(remote)
+        local, why = mirror.usable(remote)
         log.info("checkpoint.local_dir: %s %s (%s)", "reading" if local else "not reading", local or "the local copy", why)
         return None if local is None else str(local)
 
@@ -148,7 +148,7 @@ class Checkpointer:
     an EMA, counters), with async save, retention, preemption and on-exception saves.
 
     Args:
-        dir: the checkpoints root (step_<N>/ directories, `latest`).
+        dir: the checkpoints root (step_<N>/ directories, `latest`): a local path or an fsspec URL.
         model: the FSDP2-sharded model (plain modules work too).
         optimizer: saved and restored with the model. None for a model without an optimizer of its
             own (an EMA copy, a frozen teacher): its checkpoints hold the model, the RNG and
@@ -167,7 +167,9 @@ class Checkpointer:
         **settings: the `checkpoint.*` settings (every_steps, every_minutes, save_at_end, resume,
             resume_mode, existing, async_save, async_staging, keep_last, keep_every, keep_best, keep_best_metric,
             keep_best_mode, verify_checksums, verify_on_load, timeout_s, exception_timeout_s,
-            thread_count, on_exception, preemption_signals), plus state_dict_type (sharded|full).
+            thread_count, on_exception, preemption_signals, storage_options, local_dir), plus
+            state_dict_type (sharded|full). They are this instance's alone: `storage_options` open
+            its `dir` (and a `resume` URL), `local_dir` is its own mirror.
     Raises:
         ValueError: a setting is out of range (the message names it).
     """
@@ -184,8 +186,8 @@ class Checkpointer:
             settings["preemption_signals"] = list(settings["preemption_signals"])
         self.cfg = CheckpointConfig(dir=str(dir), **settings)
         validate_checkpoint(self.cfg, state_dict_type=state_dict_type)
-        configure(self.cfg.storage_options)
-        _configure_mirror(self.cfg, as_path(self.cfg.dir))
+        self.root = open_storage(self.cfg.dir, self.cfg.storage_options)  # a RemotePath keeps the options
+        self.mirror = Mirror.open(self.cfg.local_dir, root=self.root)  # None without checkpoint.local_dir
         stateful = {"scheduler": as_stateful(scheduler, name="scheduler")} if scheduler is not None else {}
         for name, obj in (state or {}).items():
             if name in stateful:
@@ -201,7 +203,6 @@ class Checkpointer:
                              "CheckpointGroups.create(cfg) from the same settings, or leave groups= out")
         self.group = self.groups.sync
         self.state_dict_type = state_dict_type
-        self.root = as_path(self.cfg.dir)
         self.sharding = sharding or {}
         self.run_meta = {**({"mesh": mesh} if mesh else {}), **({"config": config} if config else {})}
         self.on_event = on_event or (lambda record: None)
@@ -217,7 +218,7 @@ class Checkpointer:
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
         self._mirror_of: tuple[CkptPath, CkptPath] | None = None  # (local copy, remote checkpoint) resumed from
-        self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count,
+        self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror,
                                   background_staging=c.async_staging == "background") if c.async_save else None)
 
     @classmethod
@@ -258,8 +259,9 @@ class Checkpointer:
             full = manifest is not None and self.cfg.resume_mode == "full"
             moved = self._claim(resumed=manifest if full else None, start=self._how_started(manifest))
             if path is not None:
-                self._load_verified(as_path(moved.get(str(path), str(path))),
-                                    while_loading=found.verify_while_loading)
+                if str(path) in moved:  # archived out of this run's way (an explicit resume of it)
+                    path = open_storage(moved[str(path)], self.cfg.storage_options)
+                self._load_verified(path, while_loading=found.verify_while_loading)
         except BaseException:
             self.close(wait=False)
             raise
@@ -401,7 +403,7 @@ class Checkpointer:
         else:
             manifest = save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
                                        thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
-                                       on_commit=self._retain)
+                                       on_commit=self._retain, mirror=self.mirror)
             stall = time.perf_counter() - t0
             self._report(SaveResult(step=step, path=path, mode="sync", reason=reason, stall_s=stall, manifest=manifest))
         self.last_saved_step = step
@@ -471,7 +473,8 @@ class Checkpointer:
             path = self.root / ON_EXCEPTION
             meta = self._meta(step, None) | {"reason": "exception", "exception": f"{type(error).__name__}: {error}"}
             save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
-                            thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type)
+                            thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
+                            mirror=self.mirror)
             log.error("saved the state at step %d to %s; the original error follows", step, path)
         except Exception as e:  # noqa: BLE001
             log.error("saving on_exception failed (%s); the original error follows", e)
@@ -492,8 +495,10 @@ class Checkpointer:
             apply_retention(self.root, self.retention, run_id=self.run_id, just_committed=committed)
         except Exception as e:  # noqa: BLE001 - a failed deletion must not fail the save that just committed
             log.warning("retention: could not delete an old checkpoint: %s", e)
+        if self.mirror is None:
+            return
         try:
-            mirror.publish(committed)
+            self.mirror.publish(committed)
         except Exception as e:  # noqa: BLE001 - the remote copy is committed: the mirror is only a cache
             log.warning("checkpoint.local_dir: could not update the local copy of %s (a restart reads the "
                         "bucket): %s", committed, e)

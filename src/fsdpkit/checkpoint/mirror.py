@@ -16,7 +16,9 @@ fastest restart on the same node. The remote copy stays the source of truth.
 
 One node only: the mirror holds the files of the ranks on this node, so a job over several nodes
 could never read a complete one; `check_single_node` refuses it. One run per `local_dir`: a
-`.mirror_of` file names the remote root the directory mirrors.
+`.mirror_of` file names the remote root the directory mirrors. A `Mirror` object belongs to one
+Checkpointer and is handed to the writers that tee into it (safe_fsspec.py): nothing here is
+process-wide.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from fsdpkit.checkpoint.layout import (
     CHECKPOINT_NAME,
@@ -37,38 +39,101 @@ from fsdpkit.checkpoint.layout import (
 from fsdpkit.checkpoint.storage import RemotePath, write_atomic
 
 MIRROR_OF = ".mirror_of"
-_mirror: dict[str, Any] = {}  # {"root": RemotePath, "local": Path} of this process's Checkpointer
 
 
-def configure(local_dir: str, *, root: CkptPath) -> None:
-    """Mirror the checkpoints under the remote `root` into `local_dir` ('' turns it off).
+class Mirror:
+    """The node-local copy of the checkpoints under one remote root; each Checkpointer holds its
+    own (None without `checkpoint.local_dir`), so two in one process never share one."""
 
-    Raises:
-        ValueError: `local_dir` already mirrors another remote root.
-    """
-    _mirror.clear()
-    if not local_dir:
-        return
-    if not isinstance(root, RemotePath):
-        raise ValueError(f"checkpoint.local_dir={local_dir} mirrors checkpoints on object storage, and "
-                         f"checkpoint.dir={root} is local; set checkpoint.dir to a URL or leave local_dir empty")
-    local = Path(local_dir)
-    local.mkdir(parents=True, exist_ok=True)
-    marker = local / MIRROR_OF
-    if marker.is_file() and marker.read_text().strip() != root.url:
-        raise ValueError(f"checkpoint.local_dir={local} mirrors {marker.read_text().strip()}, not checkpoint.dir="
-                         f"{root.url}; give each run its own local_dir (or delete {local} if that run is gone)")
-    if not marker.is_file():
-        # pruning deletes checkpoint-shaped directories here: never ones this mirror did not write
-        foreign = sorted(p.name for p in local.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name))
-        if foreign:
-            raise ValueError(f"checkpoint.local_dir={local} already holds {', '.join(foreign[:5])}, which no mirror "
-                             "wrote (it has no .mirror_of); the mirror would delete them. Give it an empty directory")
-        # every rank of the node may get here at once: a temporary of its own
-        tmp = local / f"{MIRROR_OF}.{os.getpid()}.tmp"
-        tmp.write_text(root.url + "\n")
-        os.replace(tmp, marker)
-    _mirror.update(root=root, local=local)
+    def __init__(self, local_dir: str | os.PathLike, *, root: CkptPath):
+        """Mirror the checkpoints under the remote `root` into `local_dir` (created, and marked
+        with `.mirror_of`). Use `Mirror.open` for a setting that may be empty.
+
+        Raises:
+            ValueError: `root` is local, or `local_dir` already mirrors another remote root or
+                holds checkpoints no mirror wrote.
+        """
+        if not isinstance(root, RemotePath):
+            raise ValueError(f"checkpoint.local_dir={local_dir} mirrors checkpoints on object storage, and "
+                             f"checkpoint.dir={root} is local; set checkpoint.dir to a URL or leave local_dir empty")
+        local = Path(local_dir)
+        local.mkdir(parents=True, exist_ok=True)
+        marker = local / MIRROR_OF
+        if marker.is_file() and marker.read_text().strip() != root.url:
+            raise ValueError(f"checkpoint.local_dir={local} mirrors {marker.read_text().strip()}, not checkpoint.dir="
+                             f"{root.url}; give each run its own local_dir (or delete {local} if that run is gone)")
+        if not marker.is_file():
+            # pruning deletes checkpoint-shaped directories here: never ones this mirror did not write
+            foreign = sorted(p.name for p in local.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name))
+            if foreign:
+                raise ValueError(f"checkpoint.local_dir={local} already holds {', '.join(foreign[:5])}, which no "
+                                 "mirror wrote (it has no .mirror_of); the mirror would delete them. Give it an empty "
+                                 "directory")
+            # every rank of the node may get here at once: a temporary of its own
+            tmp = local / f"{MIRROR_OF}.{os.getpid()}.tmp"
+            tmp.write_text(root.url + "\n")
+            os.replace(tmp, marker)
+        self.root, self.local = root, local
+
+    @classmethod
+    def open(cls, local_dir: str, *, root: CkptPath) -> Mirror | None:
+        """The mirror `checkpoint.local_dir` asks for, or None when it is empty (see __init__)."""
+        check_single_node(local_dir)
+        return cls(local_dir, root=root) if local_dir else None
+
+    def __repr__(self) -> str:
+        return f"Mirror({str(self.local)!r}, root={self.root.url!r})"
+
+    def mirror_dir(self, ckpt_dir: CkptPath) -> Path | None:
+        """The mirror of the remote checkpoint directory `ckpt_dir` (None: not mirrored). A
+        replacement written to `<name>.incoming` is mirrored under `<name>`: it becomes `<name>`
+        once committed."""
+        if not isinstance(ckpt_dir, RemotePath) or ckpt_dir.parent != self.root:
+            return None
+        if not CHECKPOINT_NAME.match(ckpt_dir.name):
+            return None
+        return self.local / ckpt_dir.name.removesuffix(INCOMING)
+
+    def start_writing(self, ckpt_dir: CkptPath) -> Path | None:
+        """Before a rank writes `ckpt_dir`'s files: its mirror, emptied of its manifest (no longer a
+        checkpoint until the remote commit says so), or None."""
+        local = self.mirror_dir(ckpt_dir)
+        if local is not None:
+            (local / MANIFEST).unlink(missing_ok=True)
+            local.mkdir(parents=True, exist_ok=True)
+        return local
+
+    def publish(self, committed: CkptPath) -> None:
+        """Rank 0, after the remote commit of `committed`: its mirror gets the remote manifest's bytes;
+        mirrored checkpoints without a matching remote manifest are removed."""
+        local = self.mirror_dir(committed)
+        if local is None:
+            return
+        manifest = (committed / MANIFEST).read_bytes()
+        if local.is_dir():
+            write_atomic(local / MANIFEST, manifest)  # the same bytes: restart compares them
+        self.prune()
+
+    def prune(self) -> None:
+        """Remove every mirrored checkpoint whose manifest is missing or differs from the remote one
+        (retention deleted it, it never committed, or a newer save replaced it)."""
+        for path in sorted(self.local.iterdir()):
+            if path.is_dir() and CHECKPOINT_NAME.match(path.name) and matching(path, self.root / path.name) is None:
+                remove_checkpoint(path)
+
+    def usable(self, remote: CkptPath) -> tuple[Path | None, str]:
+        """(the mirror to read instead of the remote checkpoint `remote`, or None; why, for the log)."""
+        local = self.mirror_dir(remote)
+        if local is None:
+            return None, "no mirror"
+        manifest = matching(local, remote)
+        if manifest is None:
+            return None, f"{local / MANIFEST} is missing or differs from {remote / MANIFEST}"
+        for name, info in json.loads(manifest).get("files", {}).items():
+            f = local / name
+            if not f.is_file() or f.stat().st_size != info["size"]:
+                return None, f"{f} is missing or has the wrong size"
+        return local, "its manifest equals the remote one and every file is there"
 
 
 def check_single_node(local_dir: str) -> None:
@@ -80,51 +145,6 @@ def check_single_node(local_dir: str) -> None:
                          "serve a restart. Leave checkpoint.local_dir empty for multi-node jobs")
 
 
-def mirror_dir(ckpt_dir: CkptPath) -> Path | None:
-    """The mirror of the remote checkpoint directory `ckpt_dir` (None: not mirrored). A
-    replacement written to `<name>.incoming` is mirrored under `<name>`: it becomes `<name>`
-    once committed."""
-    root, local = _mirror.get("root"), _mirror.get("local")
-    if root is None or not isinstance(ckpt_dir, RemotePath) or ckpt_dir.parent != root:
-        return None
-    if not CHECKPOINT_NAME.match(ckpt_dir.name):
-        return None
-    return local / ckpt_dir.name.removesuffix(INCOMING)
-
-
-def start_writing(ckpt_dir: CkptPath) -> Path | None:
-    """Before a rank writes `ckpt_dir`'s files: its mirror, emptied of its manifest (no longer a
-    checkpoint until the remote commit says so), or None."""
-    local = mirror_dir(ckpt_dir)
-    if local is not None:
-        (local / MANIFEST).unlink(missing_ok=True)
-        local.mkdir(parents=True, exist_ok=True)
-    return local
-
-
-def publish(committed: CkptPath) -> None:
-    """Rank 0, after the remote commit of `committed`: its mirror gets the remote manifest's bytes;
-    mirrored checkpoints without a matching remote manifest are removed."""
-    local = mirror_dir(committed)
-    if local is None:
-        return
-    manifest = (committed / MANIFEST).read_bytes()
-    if local.is_dir():
-        write_atomic(local / MANIFEST, manifest)  # the same bytes: restart compares them
-    prune()
-
-
-def prune() -> None:
-    """Remove every mirrored checkpoint whose manifest is missing or differs from the remote one
-    (retention deleted it, it never committed, or a newer save replaced it)."""
-    root, local = _mirror.get("root"), _mirror.get("local")
-    if root is None:
-        return
-    for path in sorted(local.iterdir()):
-        if path.is_dir() and CHECKPOINT_NAME.match(path.name) and matching(path, root / path.name) is None:
-            remove_checkpoint(path)
-
-
 def matching(local: Path, remote: CkptPath) -> bytes | None:
     """The remote manifest's bytes when `local` holds the same bytes as its manifest, else None."""
     try:
@@ -133,21 +153,6 @@ def matching(local: Path, remote: CkptPath) -> bytes | None:
     except FileNotFoundError:
         return None
     return theirs if mine == theirs else None
-
-
-def usable_mirror(remote: CkptPath) -> tuple[Path | None, str]:
-    """(the mirror to read instead of the remote checkpoint `remote`, or None; why, for the log)."""
-    local = mirror_dir(remote)
-    if local is None:
-        return None, "no mirror"
-    manifest = matching(local, remote)
-    if manifest is None:
-        return None, f"{local / MANIFEST} is missing or differs from {remote / MANIFEST}"
-    for name, info in json.loads(manifest).get("files", {}).items():
-        f = local / name
-        if not f.is_file() or f.stat().st_size != info["size"]:
-            return None, f"{f} is missing or has the wrong size"
-    return local, "its manifest equals the remote one and every file is there"
 
 
 class TeeStream(io.RawIOBase):

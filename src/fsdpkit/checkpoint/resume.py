@@ -25,7 +25,7 @@ from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, 
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
-from fsdpkit.checkpoint.storage import as_path, is_url
+from fsdpkit.checkpoint.storage import is_url, open_storage
 from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader, file_problems
 
 log = logging.getLogger("fsdpkit.checkpoint")
@@ -99,11 +99,12 @@ def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.Proce
 
 
 def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGroup | None,
-                       verify_checksums: bool = True) -> Path | None:
+                       verify_checksums: bool = True, storage_options: dict[str, Any] | None = None) -> Path | None:
     """The checkpoint every rank resumes from (rank 0 decides, all ranks verify together).
 
-    `none`: None. `auto`: the newest committed checkpoint that passes verification, or None.
-    A path: that checkpoint, which must be committed and intact.
+    `none`: None. `auto`: the newest committed checkpoint under `ckpt_root` that passes
+    verification, or None. A path: that checkpoint, which must be committed and intact (a URL is
+    opened with `storage_options`).
     """
     if resume == "none":
         return None
@@ -112,7 +113,7 @@ def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGrou
         candidates, explicit = None, False
         if rank == 0:
             corrupt: list[tuple[Path, str]] = []
-            candidates = [str(p) for p, _ in committed_candidates(ckpt_root, corrupt=corrupt)]
+            candidates = [p.name for p, _ in committed_candidates(ckpt_root, corrupt=corrupt)]
             for path, why in corrupt:
                 set_aside(path, why)
     else:
@@ -122,7 +123,8 @@ def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGrou
         tdist.broadcast_object_list(box, src=0, group=group)
         candidates = box[0]
     for candidate in candidates:
-        path = as_path(candidate)
+        # auto's candidates are names under ckpt_root, which keeps its filesystem (storage options)
+        path = open_storage(candidate, storage_options) if explicit else ckpt_root / candidate
         try:
             manifest = read_manifest(path)
             missing = check_files_present(path, manifest)

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DcpFss
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from fsdpkit.checkpoint.hashing import HashingFileSystem
-from fsdpkit.checkpoint.mirror import TeeStream, start_writing
+from fsdpkit.checkpoint.mirror import Mirror, TeeStream
 from fsdpkit.checkpoint.multipart import OverlappedUpload, is_s3
 from fsdpkit.checkpoint.safe_io import SafeMetadataReading
 from fsdpkit.checkpoint.storage import RemotePath
@@ -64,15 +64,16 @@ class UploadingFileSystem(DcpFsspecFileSystem):
             os.replace(self.mirror / Path(str(path)).name, self.mirror / Path(str(new_path)).name)
 
 
-def fsspec_writer(into: RemotePath, *, thread_count: int, die_mid_write: bool) -> tuple[FsspecWriter, HashingFileSystem]:
+def fsspec_writer(into: RemotePath, *, thread_count: int, die_mid_write: bool,
+                  mirror: Mirror | None = None) -> tuple[FsspecWriter, HashingFileSystem]:
     """A DCP writer into `into` whose files are checksummed as they stream out. sync_files=False:
     an object is durable once its upload completes (on close); DCP would otherwise call os.sync()
     for every file, since a network stream has no fileno to fsync. S3 files upload several parts at
-    once (multipart.py), as `s3fs.put` does; with `checkpoint.local_dir` each file is also written
-    to the local mirror (mirror.py)."""
+    once (multipart.py), as `s3fs.put` does; with a `mirror` (the Checkpointer's
+    `checkpoint.local_dir`) each file is also written to its local copy (mirror.py)."""
     writer = FsspecWriter(into.url, sync_files=False, thread_count=thread_count)
     uploads = UploadingFileSystem()
-    uploads.fs, uploads.mirror = into.fs, start_writing(into)
+    uploads.fs, uploads.mirror = into.fs, (mirror.start_writing(into) if mirror is not None else None)
     fs = HashingFileSystem(die_mid_write=die_mid_write, base=uploads)
     writer.fs = fs
     return writer, fs

@@ -38,8 +38,9 @@ from fsdpkit.checkpoint.hashing import (
 )
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, publish_latest, swap_in
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
+from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
-from fsdpkit.checkpoint.storage import as_path, remove_tree
+from fsdpkit.checkpoint.storage import remove_tree
 
 # Test hook: "<step>:<rank>" makes that rank SIGKILL itself in the middle of writing that step's
 # checkpoint, as a crash or an OOM kill would (tests prove `latest` then stays on the previous one).
@@ -179,6 +180,7 @@ def save_checkpoint(
     thread_count: int = 1,
     state_dict_type: str = "sharded",
     on_commit: Callable[[CkptPath], None] | None = None,
+    mirror: Mirror | None = None,
 ) -> dict[str, Any]:
     """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest (rank 0) or
     {"step", "bytes_per_rank"} (other ranks).
@@ -190,13 +192,15 @@ def save_checkpoint(
         meta: manifest fields known to the caller (run id, config, fingerprint, optimizer summary, mesh).
         on_commit: run on rank 0 with the committed path right after `latest` moved (retention),
             before the final agreement.
+        mirror: the local copy (checkpoint.local_dir) a remote sharded save's files are teed into.
     Raises:
         CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
     """
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     snapshot = capture(target, step=step, meta=meta, rank=rank)
     if state_dict_type != "full":
-        return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit)
+        return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit,
+                              mirror=mirror)
 
     if "state" in snapshot.state:
         raise CheckpointSaveError("strategy.state_dict_type=full cannot hold tensors in the checkpoint `state` "
@@ -210,13 +214,14 @@ def save_checkpoint(
 
 
 def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup | None, thread_count: int = 1,
-                   on_commit: Callable[[CkptPath], None] | None = None) -> dict[str, Any]:
+                   on_commit: Callable[[CkptPath], None] | None = None, mirror: Mirror | None = None) -> dict[str, Any]:
     """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
-    Safe to run on a background thread when `group` is used by nothing else meanwhile."""
+    Safe to run on a background thread when `group` is used by nothing else meanwhile. A remote
+    checkpoint's files are also written to `mirror`, if given (mirror.py)."""
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
 
     def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # every rank writes its shards through DCP
-        writer, fs = hashing_writer(into, thread_count=thread_count,
+        writer, fs = hashing_writer(into, thread_count=thread_count, mirror=mirror,
                                     die_mid_write=_dies_during_this_save(snapshot.step, rank))
         with zip_crc32_off():
             dcp.save(snapshot.state, storage_writer=writer, process_group=group)
@@ -225,11 +230,16 @@ def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.Proce
     return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="sharded", write=write, on_commit=on_commit)
 
 
+def _incoming(final: CkptPath) -> CkptPath:
+    """Where a save that replaces the committed `final` is written and committed first."""
+    return final.with_name(final.name + INCOMING)
+
+
 def _prepare(final: CkptPath) -> CkptPath:
     """Rank 0, before a save: the directory to write into (`final`, or beside it when `final` is
     committed), cleared of debris from an earlier attempt that never committed."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    incoming = final.with_name(final.name + INCOMING)
+    incoming = _incoming(final)
     if (incoming / MANIFEST).is_file():
         swap_in(incoming, final)  # an earlier replacement committed but was not swapped in: finish it
     for stale in (incoming, final):
@@ -256,17 +266,19 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
     step = snapshot.step
     t0 = time.perf_counter()
     try:
-        prepared: tuple[str, str] | str = ""
+        prepared: tuple[str, bool] | str = ""
         if rank == 0:
             try:
-                prepared = ("ok", str(_prepare(ckpt_dir)))
+                prepared = ("ok", _prepare(ckpt_dir) != ckpt_dir)
             except OSError as e:
                 prepared = f"could not prepare {ckpt_dir}: {e}"
         prepared = _agree(prepared, group)
         if isinstance(prepared, str):
             raise CheckpointSaveError(f"saving {ckpt_dir} failed on rank 0 ({prepared}); the previous checkpoint "
                                       "stays latest")
-        into = as_path(prepared[1])
+        # derived from ckpt_dir, not reopened from a string: a RemotePath keeps its filesystem and
+        # with it the storage options of the Checkpointer that saves
+        into = _incoming(ckpt_dir) if prepared[1] else ckpt_dir
         t_prepared = time.perf_counter()
         (files_by_rank, extra), algorithm, tensors, timings = _write_and_hash(snapshot.state, lambda: write(into),
                                                                               group=group, shares=snapshot.shares)

@@ -17,8 +17,11 @@ the remote one does instead:
   remove `src` (the marker first).
 
 Credentials and endpoint come from the environment (`AWS_*`, `AWS_ENDPOINT_URL`, profiles) and
-from `checkpoint.storage_options` (e.g. `{endpoint_url: ...}`), never from a checkpoint.
-Listing caches are off: another rank or process may have written since the last listing.
+from `checkpoint.storage_options` (e.g. `{endpoint_url: ...}`), never from a checkpoint. The options
+are passed where a URL is opened (`open_storage(url, options)`) and travel with the `RemotePath`
+(its `fs`) and every path derived from it: nothing here is process-wide, so two Checkpointers in
+one process (a model and its EMA) each keep their own. Listing caches are off: another rank or
+process may have written since the last listing.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdpkit.config.paths import URL
 
-_options: dict[str, Any] = {}  # set once per process from checkpoint.storage_options
 RANGE_BYTES = int(os.environ.get("FSDPKIT_REMOTE_RANGE_BYTES", str(16 << 20)))  # one ranged GET, at most
 OPEN_BLOCK_BYTES = int(os.environ.get("FSDPKIT_REMOTE_OPEN_BLOCK_BYTES", str(1 << 20)))  # read-ahead of open()
 
@@ -44,22 +46,11 @@ def is_url(value: str | os.PathLike) -> bool:
     return isinstance(value, RemotePath) or bool(URL.match(str(value)))
 
 
-def configure(storage_options: dict[str, Any] | None) -> None:
-    """Make `storage_options` (e.g. endpoint_url, profile) the default for every URL this process
-    opens: paths travel between ranks and modules as strings, the options stay here."""
-    _options.clear()
-    _options.update(_plain(storage_options))
-
-
 def _plain(options: Any) -> dict[str, Any]:
     """A plain, deep-copied dict (the config hands over DictConfigs)."""
     if isinstance(options, DictConfig):
         return OmegaConf.to_container(options, resolve=True)  # type: ignore[return-value]
     return json.loads(json.dumps(options or {}))
-
-
-def storage_options() -> dict[str, Any]:
-    return dict(_options)
 
 
 def _filesystem(url: str, options: dict[str, Any] | None = None):
@@ -70,7 +61,7 @@ def _filesystem(url: str, options: dict[str, Any] | None = None):
         raise ValueError(f"{url} is a URL; reading or writing it needs fsspec and the scheme's driver: "
                          "pip install 'fsdpkit[remote]'") from None
     protocol, _ = split_protocol(url)
-    opts = {**_options, **_plain(options)}
+    opts = _plain(options)
     if protocol in ("s3", "s3a"):
         # endpoint_url at the top level is the form users know from the AWS CLI; s3fs wants it
         # in client_kwargs (it reads AWS_ENDPOINT_URL itself when nothing is given)
@@ -86,7 +77,8 @@ def _filesystem(url: str, options: dict[str, Any] | None = None):
 
 def open_storage(url_or_path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Path | RemotePath:
     """A local `Path` for a local path (the fast path: existing code, unchanged), a `RemotePath`
-    for an fsspec URL (`file://` URLs count as local)."""
+    for an fsspec URL (`file://` URLs count as local), whose filesystem is opened with
+    `storage_options` (e.g. endpoint_url, profile; None: the environment's settings only)."""
     if isinstance(url_or_path, RemotePath):
         return url_or_path
     text = os.fspath(url_or_path)
@@ -96,8 +88,6 @@ def open_storage(url_or_path: str | os.PathLike, storage_options: dict[str, Any]
         return RemotePath(text, fs=_filesystem(text, storage_options))
     return Path(text)
 
-
-as_path = open_storage
 
 
 class RemotePath:

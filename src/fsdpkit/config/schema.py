@@ -281,8 +281,8 @@ class CheckpointConfig:
     or an object-storage URL (s3://bucket/prefix; needs the `remote` extra): the same commit rule
     holds there, see the README's "Object storage" section."""
     storage_options: dict[str, Any] = field(default_factory=dict)
-    """fsspec options for URL checkpoint paths (dir, resume), e.g. {endpoint_url: http://host:9000}
-    for an S3-compatible store, or {profile: name}. Credentials come from the environment (AWS_*,
+    """fsspec options for URL checkpoint paths (dir, resume; and a URL export.dir that export.on_finish
+    uploads to), e.g. {endpoint_url: http://host:9000} for an S3-compatible store, or {profile: name}. Credentials come from the environment (AWS_*,
     AWS_ENDPOINT_URL, profiles), never from a checkpoint: credential options (key, secret, token, ...)
     are refused here, since the resolved config is saved with every checkpoint."""
     local_dir: str = ""

@@ -31,21 +31,23 @@ UPLOAD_BLOCK_BYTES = 8 << 20  # read from the local file per write into the uplo
 
 
 def export_to(out: str | Path, export: Callable[[str | Path], dict[str, Any]], *, fmt: str, overwrite: bool,
-              source: str | Path) -> dict[str, Any]:
+              source: str | Path, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """`export(out)` for a local `out`; for a URL, `export_to_url` (exported locally, then uploaded)."""
     if not is_url(str(out)):
         return export(out)
-    return export_to_url(str(out), export, fmt=fmt, overwrite=overwrite, source=source)
+    return export_to_url(str(out), export, fmt=fmt, overwrite=overwrite, source=source,
+                         storage_options=storage_options)
 
 
 def export_to_url(out: str, export: Callable[[Path], dict[str, Any]], *, fmt: str, overwrite: bool,
-                  source: str | Path) -> dict[str, Any]:
-    """Run `export(local_out)` into a temporary directory, then upload it to the URL `out`.
+                  source: str | Path, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run `export(local_out)` into a temporary directory, then upload it to the URL `out`, opened
+    with `storage_options` (fsspec options such as endpoint_url; None: the environment's).
 
     Raises:
         ValueError: `out` overlaps the source, or exists and may not be replaced (see the module).
     """
-    dest = open_storage(out)
+    dest = open_storage(out, storage_options)
     old = check_destination(dest, fmt=fmt, overwrite=overwrite, source=source)
     with tempfile.TemporaryDirectory(prefix="fsdpkit-export-") as tmp:
         local = Path(tmp) / dest.name

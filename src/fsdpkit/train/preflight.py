@@ -59,7 +59,9 @@ def check_directories(cfg: Config) -> None:
         _writable_prefix(ckpt_root, setting="checkpoint.dir")
     else:
         _writable_dir(ckpt_root, setting="checkpoint.dir")
-    if cfg.export.on_finish and isinstance(out := open_storage(cfg.export.dir), RemotePath):
+    # export.on_finish uploads with checkpoint.storage_options (run.export_final): probe with them too
+    out = open_storage(cfg.export.dir, cfg.checkpoint.storage_options) if cfg.export.on_finish else None
+    if isinstance(out, RemotePath):
         from fsdpkit.export.remote_destination import check_destination
 
         _writable_prefix(out, setting="export.dir")

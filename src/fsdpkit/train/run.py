@@ -228,11 +228,12 @@ def report_lost_peers(group: Any, *, timeout_s: float) -> None:
 
 
 def _export_to(cfg: Config, export: Callable[[str | Path], dict[str, Any]]) -> dict[str, Any]:
-    """`export(export.dir)`; a URL export.dir is exported locally first, then uploaded (export/remote_destination.py)."""
+    """`export(export.dir)`; a URL export.dir is exported locally first, then uploaded (export/remote_destination.py)
+    with checkpoint.storage_options (as preflight checked it)."""
     from fsdpkit.export.remote_destination import export_to
 
     return export_to(cfg.export.dir, export, fmt="hf" if cfg.model.peft.method == "lora" else cfg.export.format,
-                     overwrite=True, source=cfg.checkpoint.dir)
+                     overwrite=True, source=cfg.checkpoint.dir, storage_options=cfg.checkpoint.storage_options)
 
 
 def export_final(cfg: Config) -> dict[str, Any]:
