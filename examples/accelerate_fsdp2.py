@@ -102,7 +102,8 @@ def main() -> int:
     with torch.no_grad():  # probe logits of the final weights (a collective forward under FSDP2)
         probe = model(input_ids=torch.arange(12, device=accelerator.device).reshape(1, 12)).logits
     if rank == 0 and args.out:
-        args.out.write_text(json.dumps({"losses": losses, "resumed": ckpt.resumed, "world_size": ws,
+        resumed = ckpt.resumed.record() if ckpt.resumed else None
+        args.out.write_text(json.dumps({"losses": losses, "resumed": resumed, "world_size": ws,
                                         "sharding": sharding, "probe": probe.tolist()}))
     accelerator.wait_for_everyone()
     accelerator.end_training()  # destroys the process group

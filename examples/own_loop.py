@@ -119,7 +119,8 @@ def main() -> int:
                 break
     # (4) `with` closed it: the last save (async or not) is committed
     if rank == 0 and args.out:
-        args.out.write_text(json.dumps({"losses": losses, "resumed": ckpt.resumed, "ema": float(ema.value),
+        resumed = ckpt.resumed.record() if ckpt.resumed else None  # a Resumed: step, path, saved_world_size...
+        args.out.write_text(json.dumps({"losses": losses, "resumed": resumed, "ema": float(ema.value),
                                         "preempted": preempted}))
     dist.barrier()
     dist.destroy_process_group()

@@ -290,7 +290,7 @@ class Resumer:
             ckpt.close(wait=False)  # the lock: every mutation is a new run of fsdpkit
         if ckpt.resumed is None:
             return None, None
-        return ckpt.resumed["step"], self.live_state()
+        return ckpt.resumed.step, self.live_state()
 
     def live_state(self) -> dict[str, Any]:
         """Everything the load restored, as `independent_copy` has it: model, optimizer (state and

@@ -57,7 +57,7 @@ def session(run_dir: Path, overrides: list[str], *, stop_at: int | None = None, 
     trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=run_dir, init=path is None)
     ckpt = attach_checkpointer(trainer, cfg, plan, groups=GROUPS)
     ckpt.resume(found)
-    report = ckpt.resumed
+    report = ckpt.resumed.record() if ckpt.resumed is not None else None
     if dump_loaded_to is not None:
         dump_full_state(trainer, dump_loaded_to)
     start = trainer.state.step

@@ -55,7 +55,7 @@ def main() -> None:
     ckpt = attach_checkpointer(trainer, cfg, plan, groups=groups)
     ckpt.resume(found)
     loaded = full_state(trainer)
-    result = {"resumed": {k: ckpt.resumed.get(k) for k in ("step", "path", "notes")} if ckpt.resumed else None,
+    result = {"resumed": {k: getattr(ckpt.resumed, k) for k in ("step", "path", "notes")} if ckpt.resumed else None,
               "start": trainer.state.step}
     if dist.is_main():
         save_file(loaded, str(work / "loaded_state.safetensors"))

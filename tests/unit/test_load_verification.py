@@ -72,7 +72,7 @@ def test_a_restored_tensor_that_differs_fails_the_load_only_when_verification_is
     intact = _checkpointer(root)
     assert intact.resume() == 1  # the control: nothing changed, verification ran and passed
     intact.close()
-    assert isinstance(intact.resumed["verify_s"], float) and RAN in caplog.text and OFF not in caplog.text
+    assert isinstance(intact.resumed.verify_s, float) and RAN in caplog.text and OFF not in caplog.text
 
     for verify_on_load in (True, False):
         caplog.clear()
@@ -88,5 +88,5 @@ def test_a_restored_tensor_that_differs_fails_the_load_only_when_verification_is
         else:
             assert ckpt.resume() == 1  # the same difference goes through unseen: nothing looked
             ckpt.close()
-            assert ckpt.resumed["verify_s"] is None
+            assert ckpt.resumed.verify_s is None
             assert OFF in caplog.text and RAN not in caplog.text

@@ -84,7 +84,7 @@ def test_saved_without_an_optimizer_verifies_inspects_exports_and_resumes_bitwis
     torch.manual_seed(123)  # the resume must put the saved RNG back
     with Checkpointer(root, model=fresh, state={"ema": restored}) as ckpt:
         assert ckpt.resume() == 4
-        assert (ckpt.resumed["step"], ckpt.resumed["mode"], ckpt.resumed["saved_world_size"]) == (4, "full", 1)
+        assert ckpt.resumed.step == 4 and ckpt.resumed.mode == "full" and ckpt.resumed.saved_world_size == 1
     assert _equal(_weights(fresh), weights) and restored == counters
     assert torch.equal(torch.get_rng_state(), rng)
 
@@ -115,7 +115,7 @@ def test_optimizer_state_without_an_optimizer_is_refused_unless_model_only(tmp_p
 
     # a frozen teacher from a student's run: its own directory, the weights of a named checkpoint
     with Checkpointer(tmp_path / "teacher", model=teacher, resume=str(root / "step_1"), resume_mode="model_only") as ckpt:
-        assert ckpt.resume() == 0 and ckpt.resumed["mode"] == "model_only"
+        assert ckpt.resume() == 0 and ckpt.resumed.mode == "model_only"
     assert _equal(_weights(teacher), weights)
 
 

@@ -1,6 +1,6 @@
 """Two Checkpointers in one process (a student and its EMA), in a gloo world of one: each keeps its
 own directory, storage options, local mirror and cadence, saves and resumes bitwise on its own, and
-a preemption signal reaches both.
+a preemption signal reaches both. Also: every public method says whether it is collective.
 
 The "bucket" is fsspec's in-memory filesystem under a test scheme whose instances carry the
 storage option `tag` and log every object they open, so the test sees which Checkpointer's
@@ -9,6 +9,7 @@ options reached each read and write (a user's fsspec driver plugs into the same 
 
 from __future__ import annotations
 
+import inspect
 import os
 import signal
 import uuid
@@ -20,7 +21,7 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 from torch import nn
 
-from fsdpkit.checkpoint import Checkpointer
+from fsdpkit.checkpoint import Checkpointer, Resumed
 from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.storage import open_storage
@@ -144,10 +145,11 @@ def test_two_checkpointers_keep_their_own_storage_mirror_and_cadence(world_of_on
     s2, e2, (student2, ema2, opt2, data2, counters2, events2) = _pair(tmp_path, buckets, seed=1, first="ema",
                                                                      preemption_signals=["SIGUSR1"])
     assert e2.resume() == 6 and s2.resume() == 6
-    assert s2.resumed["mirror_of"] == f"{SCHEME}://{buckets['student']}/ckpt/step_6"
-    assert s2.resumed["path"] == str(mirror / "step_6")  # read from the student's local copy
-    assert "mirror_of" not in e2.resumed and e2.resumed["path"] == f"{SCHEME}://{buckets['ema']}/ckpt/step_6"
-    assert events2["student"] == [s2.resumed] and events2["ema"][0]["event"] == "resume"
+    assert isinstance(s2.resumed, Resumed) and s2.resumed.mirror_of == f"{SCHEME}://{buckets['student']}/ckpt/step_6"
+    assert s2.resumed.path == str(mirror / "step_6")  # read from the student's local copy
+    assert e2.resumed.mirror_of is None and e2.resumed.path == f"{SCHEME}://{buckets['ema']}/ckpt/step_6"
+    assert events2["student"] == [s2.resumed.record()]  # on_event gets the JSON record, as before
+    assert list(events2["ema"][0]) == ["event", "step", "path", "load_s", "verify_s", "saved_world_size", "mode", "notes"]
     assert _bitwise(_state(student2, opt2), saved["student"]) and _bitwise(_state(ema2), saved["ema"])
     assert data2 == {"position": 24} and counters2 == {"updates": 6}
     for who, bucket in buckets.items():
@@ -161,3 +163,11 @@ def test_two_checkpointers_keep_their_own_storage_mirror_and_cadence(world_of_on
     assert "step_7" in _steps_in(buckets["student"], tag="student") and "step_7" in _steps_in(buckets["ema"], tag="ema")
     assert signal.getsignal(signal.SIGUSR1) == original
 
+
+def test_every_public_method_says_whether_it_is_collective():
+    methods = {"__init__": Checkpointer.__doc__} | {
+        name: fn.__doc__ for name, fn in inspect.getmembers(Checkpointer, inspect.isfunction)
+        if not name.startswith("_") or name in ("__enter__", "__exit__")}
+    methods["from_config"] = Checkpointer.from_config.__doc__
+    unsaid = sorted(name for name, doc in methods.items() if "collective" not in (doc or "").lower())
+    assert not unsaid, f"Checkpointer methods whose docstring does not say whether they are collective: {unsaid}"

@@ -16,7 +16,7 @@ import importlib
 from typing import Any
 
 _WHERE = {
-    "Checkpointer": "manager", "CheckpointGroups": "manager", "find_checkpoint": "manager",
+    "Checkpointer": "manager", "CheckpointGroups": "manager", "Resumed": "manager", "find_checkpoint": "manager",
     "EXIT_PREEMPTED": "preemption", "CheckpointError": "errors", "CheckpointSaveError": "errors",
     "CheckpointCorruptError": "errors", "CheckpointMismatchError": "errors", "UnsafeCheckpointError": "errors",
 }

@@ -10,8 +10,9 @@ exactly this class).
             break                             # a preemption signal: the state is saved; exit (75)
     ckpt.close()                              # waits for the last save
 
-Every method is collective: all ranks call it at the same point. Keyword arguments are the
-`checkpoint.*` settings of the trainer (see the README's option table); the defaults are the same.
+The constructor and resume/step/save/close/on_exception are collective: every rank calls them, at
+the same point (each method's docstring says). Keyword arguments are the `checkpoint.*` settings of
+the trainer (see the README's option table); the defaults are the same.
 
 Everything a Checkpointer uses belongs to it: its settings (`cfg`), its storage options (they travel
 with `root`, see storage.py), its local mirror (`mirror`, see mirror.py), its process groups and
@@ -26,7 +27,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +43,7 @@ from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.object_lock import ObjectLock
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim, lock_for, new_run_id
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
-from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint, set_aside
+from fsdpkit.checkpoint.resume import LoadReport, load_checkpoint, resolve_checkpoint, set_aside
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful
@@ -57,7 +58,7 @@ log = logging.getLogger("fsdpkit.checkpoint")
 SKIP_RESTORE_ENV = "FSDPKIT_TEST_SKIP_RESTORE"
 METRICS_IN_MANIFEST = ("loss", "val_loss", "grad_norm")
 _LAST_STEP = object()  # on_exception's default boundary: the last step passed to step()
-__all__ = ["EXIT_PREEMPTED", "CheckpointGroups", "Checkpointer", "find_checkpoint"]
+__all__ = ["EXIT_PREEMPTED", "CheckpointGroups", "Checkpointer", "Resumed", "find_checkpoint"]
 
 
 def _gloo_group(timeout_s: float) -> tdist.ProcessGroup | None:
@@ -82,6 +83,28 @@ class CheckpointGroups:
         return cls(sync=_gloo_group(cfg.timeout_s),
                    background=_gloo_group(cfg.timeout_s) if cfg.async_save else None,
                    agreement=_gloo_group(cfg.exception_timeout_s) if cfg.on_exception else None)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """What `Checkpointer.resume()` loaded (`ckpt.resumed`; None after a fresh start). `record()` is
+    the `{"event": "resume", ...}` record handed to `on_event` (a line of fsdpkit's metrics.jsonl)."""
+
+    step: int  # the step the checkpoint holds
+    path: str  # the checkpoint read (checkpoint.local_dir's copy when `mirror_of` is set)
+    load_s: float  # reading and restoring
+    verify_s: float | None  # post-load verification; None: it did not run (verify_on_load=false)
+    saved_world_size: int  # the world size the checkpoint was saved at
+    mode: str  # resume_mode: "full", or "model_only" (weights only; resume() returned 0)
+    notes: list[str] = field(default_factory=list)  # tolerated differences (see load checks)
+    mirror_of: str | None = None  # the remote checkpoint whose local copy `path` is
+
+    def record(self) -> dict[str, Any]:
+        """The resume event as a JSON-able dict; `mirror_of` only when the local copy was read."""
+        out = {"event": "resume", **asdict(self)}
+        if self.mirror_of is None:
+            del out["mirror_of"]
+        return out
 
 
 @dataclass
@@ -147,6 +170,9 @@ class Checkpointer:
     and any `state` (dicts or Stateful objects, the same on every rank: a data loader's position,
     an EMA, counters), with async save, retention, preemption and on-exception saves.
 
+    Collective: every rank constructs it, at the same point (unless `groups` are given, it
+    creates gloo process groups, which every rank of the default group must join).
+
     Args:
         dir: the checkpoints root (step_<N>/ directories, `latest`): a local path or an fsspec URL.
         model: the FSDP2-sharded model (plain modules work too).
@@ -211,7 +237,7 @@ class Checkpointer:
                                          metric=c.keep_best_metric, mode=c.keep_best_mode)
         self.preemption = PreemptionHandler(c.preemption_signals)
         self.run_id: str | None = None  # set by resume(): this run's, or the resumed run's
-        self.resumed: dict[str, Any] | None = None  # the resume event, if this run resumed
+        self.resumed: Resumed | None = None  # what resume() loaded, if it loaded a checkpoint
         self.last_saved_step: int | None = None
         self.lock: DirectoryLock | ObjectLock | None = None
         self._last_step: int | None = None
@@ -223,14 +249,18 @@ class Checkpointer:
 
     @classmethod
     def from_config(cls, cfg: CheckpointConfig, **kwargs: Any) -> Checkpointer:
-        """A Checkpointer with the settings of a `checkpoint.*` config (fsdpkit's trainer)."""
+        """A Checkpointer with the settings of a `checkpoint.*` config (fsdpkit's trainer).
+        Collective, as the constructor."""
         settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "dir"}
         return cls(cfg.dir, **settings, **kwargs)
 
     def __enter__(self) -> Checkpointer:
+        """Not collective: returns the Checkpointer."""
         return self
 
     def __exit__(self, kind, error, tb) -> None:
+        """Collective, as `close()`: on an exception, `on_exception(error)` then `close(wait=False)`
+        (among the ranks that can still take part); otherwise `close()`."""
         if isinstance(error, Exception):
             self.on_exception(error)
             self.close(wait=False)
@@ -239,16 +269,19 @@ class Checkpointer:
 
     # -- resume -----------------------------------------------------------------------------
     def resume(self, found: Found | None = None) -> int:
-        """Collective, before the first step: find the checkpoint to resume from (per `resume`),
-        claim the directory for this run (see ownership.py), load everything, verify it, and
-        install the preemption handlers. Returns the step to continue after (0: a fresh start;
-        also 0 after a model_only load).
+        """Collective (every rank calls it), before the first step: find the checkpoint to resume
+        from (per `resume`), claim the directory for this run (see ownership.py), load everything,
+        verify it, and install the preemption handlers. What was loaded is then `self.resumed`
+        (a `Resumed`; None after a fresh start).
 
         Args:
             found: what `find_checkpoint` found already (fsdpkit's trainer), else found here.
+        Returns:
+            The step to continue after (0: a fresh start; also 0 after a model_only load).
         Raises:
             CheckpointError: the directory belongs to another run, a named checkpoint is missing or
-                corrupt, or the checkpoint does not fit the model (the message says what to do).
+                corrupt, or the checkpoint does not fit the model or the optimizer (a
+                CheckpointMismatchError; the message says what to do).
         """
         found = found or find_checkpoint(self.cfg, group=self.group)
         self.lock = found.lock
@@ -268,7 +301,7 @@ class Checkpointer:
         self.preemption.install()
         if self.resumed is None or self.cfg.resume_mode == "model_only":
             return 0
-        return int(self.resumed["step"])
+        return self.resumed.step
 
     def _claim(self, *, resumed: dict[str, Any] | None, start: str) -> dict[str, str]:
         run_id = (resumed or {}).get("run_id") or new_run_id()
@@ -292,11 +325,13 @@ class Checkpointer:
         return f"resumed from step {manifest['step']}"
 
     def fingerprint(self) -> dict[str, Any]:
+        """Not collective: the model's fingerprint recorded in every manifest (tensor names,
+        shapes and dtypes; vocabulary and tying; `sharding`), computed once."""
         if self._fingerprint is None:  # the model's structure never changes during a run
             self._fingerprint = model_fingerprint(self.target.model, sharding=self.sharding)
         return self._fingerprint
 
-    def _load_verified(self, path: CkptPath, *, while_loading: bool) -> dict[str, Any]:
+    def _load_verified(self, path: CkptPath, *, while_loading: bool) -> LoadReport:
         """Load `path`, its file checksums verified from the load's own read if `while_loading`.
         If that finds an auto-resumed checkpoint corrupt, fall back as resolution with full
         verification does: set it aside and load the newest older checkpoint that passes."""
@@ -314,35 +349,35 @@ class Checkpointer:
                 "already loaded part of it, so it stops here: run again to start fresh")
         return self._load(older, verify_files=False)
 
-    def _load(self, path: CkptPath, *, verify_files: bool = False) -> dict[str, Any]:
+    def _load(self, path: CkptPath, *, verify_files: bool = False) -> LoadReport:
         model_only = self.cfg.resume_mode == "model_only"
         report = load_checkpoint(self.target, path, fingerprint=self.fingerprint(), group=self.group,
                                  model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files,
                                  skip=frozenset(filter(None, os.environ.get(SKIP_RESTORE_ENV, "").split(","))))
-        manifest = report["manifest"]
+        manifest = report.manifest
         what = "model weights only (optimizer, schedule, counters and data start fresh)" if model_only else "full state"
-        checked = ("restored state not verified (checkpoint.verify_on_load=false)" if report["verify_s"] is None
-                   else f"post-load verification {report['verify_s']:.3f} s")
+        checked = ("restored state not verified (checkpoint.verify_on_load=false)" if report.verify_s is None
+                   else f"post-load verification {report.verify_s:.3f} s")
         log.info("resumed %s from %s (step %d, saved on %d ranks) in %.2f s; %s",
-                 what, path, manifest["step"], manifest["world_size"], report["load_s"], checked)
-        for note in report["notes"]:
+                 what, path, manifest["step"], manifest["world_size"], report.load_s, checked)
+        for note in report.notes:
             log.info("note: %s", note)
         if not model_only:
             self.last_saved_step = self._last_step = manifest["step"]
-        self.resumed = {"event": "resume", "step": manifest["step"], "path": str(path), "load_s": report["load_s"],
-                        "verify_s": report["verify_s"], "saved_world_size": manifest["world_size"],
-                        "mode": self.cfg.resume_mode, "notes": report["notes"]}
-        if self._mirror_of is not None and self._mirror_of[0] == path:  # read from checkpoint.local_dir
-            self.resumed["mirror_of"] = str(self._mirror_of[1])
-        self.on_event(self.resumed)
+        from_mirror = self._mirror_of is not None and self._mirror_of[0] == path  # read from checkpoint.local_dir
+        self.resumed = Resumed(step=manifest["step"], path=str(path), load_s=report.load_s, verify_s=report.verify_s,
+                               saved_world_size=manifest["world_size"], mode=self.cfg.resume_mode, notes=report.notes,
+                               mirror_of=str(self._mirror_of[1]) if from_mirror else None)
+        self.on_event(self.resumed.record())
         return report
 
     # -- every step ---------------------------------------------------------------------------
     def local_flags(self) -> list[float]:
-        """This rank's view of what should happen at this step boundary — a preemption signal,
-        the time cadence, a failed background save — to be summed over all ranks so that every
-        rank acts at the same step. `step()` sums them itself; a loop that already all-reduces
-        something every step can carry them and pass the sums as `step(..., agreed=)`."""
+        """Not collective: this rank's view of what should happen at this step boundary — a
+        preemption signal, the time cadence, a failed background save — to be summed over all
+        ranks so that every rank acts at the same step. `step()` sums them itself; a loop that
+        already all-reduces something every step can carry them and pass the sums as
+        `step(..., agreed=)`."""
         preempted = self.preemption.received is not None
         time_due = self.cfg.every_minutes > 0 and time.monotonic() - self._last_save_t >= self.cfg.every_minutes * 60
         failed = self._async is not None and self._async.failed()
@@ -350,8 +385,9 @@ class Checkpointer:
 
     def step(self, step: int, *, metrics: dict[str, Any] | None = None, last: bool = False,
              agreed: Sequence[float] | None = None) -> bool:
-        """Collective, after the optimizer update of `step`: save if the cadence (every_steps,
-        every_minutes, save_at_end with `last`) or a preemption signal says so.
+        """Collective (every rank calls it, at every step), after the optimizer update of `step`:
+        save if the cadence (every_steps, every_minutes, save_at_end with `last`) or a preemption
+        signal says so. Without `agreed` it all-reduces the ranks' `local_flags()` itself.
 
         Returns: True when a preemption signal reached any rank: the state at `step` is committed
         and the loop should stop (exit with EXIT_PREEMPTED, 75, to be restarted).
@@ -382,8 +418,16 @@ class Checkpointer:
     # -- saving -----------------------------------------------------------------------------
     def save(self, step: int, *, reason: str = "manual", metrics: dict[str, Any] | None = None,
              wait: bool = False) -> CkptPath:
-        """Collective: save `step` now (in the background when async_save is on, unless `wait`).
-        A committed checkpoint of the same step is replaced once the new one is committed."""
+        """Collective (every rank calls it, with the same `step`): save `step` now (in the
+        background when async_save is on, unless `wait`). A committed checkpoint of the same step
+        is replaced once the new one is committed. Each save is reported to `on_event` as a
+        `{"event": "checkpoint", ...}` record once it is committed.
+
+        Returns:
+            The checkpoint's directory (committed on return unless the save runs in the background).
+        Raises:
+            CheckpointSaveError: this save (or the background one before it) failed on some rank.
+        """
         if self.run_id is None:
             raise CheckpointError("Checkpointer.resume() must be called (on every rank) before the first save")
         path = self.root / step_dir_name(step)
@@ -410,16 +454,18 @@ class Checkpointer:
         return path
 
     def wait_staged(self) -> None:
-        """With `async_staging="background"`: block until the save in flight has copied the state.
-        `optimizer.step()` does this itself; call it before changing the model's or the
-        optimizer's state in place any other way while a save may be in flight. A no-op otherwise."""
+        """Not collective: with `async_staging="background"`, block until the save in flight has
+        copied the state. `optimizer.step()` does this itself; call it before changing the model's
+        or the optimizer's state in place any other way while a save may be in flight. A no-op
+        otherwise."""
         if self._async is not None:
             self._async.wait_staged()
 
     def close(self, *, wait: bool = True) -> None:
-        """Collective (with `wait`): wait for the save in flight (its errors are raised here), then
-        release the directory and the signal handlers. `wait=False` after a failure: a peer may be
-        gone, so nothing is waited for. Idempotent."""
+        """Collective with `wait` (every rank calls it: the save in flight commits with a barrier):
+        wait for that save (its errors are raised here), then release the directory and the signal
+        handlers. Not collective with `wait=False`, for after a failure: a peer may be gone, so
+        nothing is waited for. Idempotent."""
         try:
             if self._async is not None and wait:
                 done = self._async.wait()
@@ -434,9 +480,10 @@ class Checkpointer:
                 self.lock = None
 
     def on_exception(self, error: BaseException, *, boundary_step: Any = _LAST_STEP) -> None:
-        """Collective among the ranks that can still take part: save to on_exception/ if every rank
-        is at the same consistent step boundary; otherwise say why not. Never raises: the caller
-        re-raises `error` afterwards.
+        """Collective among the ranks that can still take part (every live rank calls it; a rank
+        that does not within exception_timeout_s means no save): save to on_exception/ if every
+        rank is at the same consistent step boundary; otherwise say why not. Never raises: the
+        caller re-raises `error` afterwards.
 
         Args:
             boundary_step: the step whose state the live objects hold, or None when the failure hit

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,16 @@ def _barrier(group: tdist.ProcessGroup | None) -> None:
         tdist.barrier(group=group)
 
 
+@dataclass(frozen=True)
+class LoadReport:
+    """What `load_checkpoint` did."""
+
+    manifest: dict[str, Any]  # the loaded checkpoint's manifest
+    notes: list[str]  # tolerated differences (wrap policy, mixed precision, a rank without saved RNG...)
+    load_s: float  # reading and restoring
+    verify_s: float | None  # post-load verification; None: it did not run (verify_on_load=false)
+
+
 def load_checkpoint(
     target: CheckpointTarget,
     ckpt_dir: Path,
@@ -162,7 +173,7 @@ def load_checkpoint(
     verify: bool = True,
     verify_files: bool = False,
     skip: frozenset[str] = frozenset(),
-) -> dict[str, Any]:
+) -> LoadReport:
     """Load `ckpt_dir` into `target` (resharding to the current world size as needed).
 
     Checks the model fingerprint before touching any state. `skip` names Stateful pieces (or `rng`)
@@ -171,8 +182,7 @@ def load_checkpoint(
     checks every file's checksum from the bytes read for loading (see verified_read.py): for a
     checkpoint that `resolve_checkpoint(verify_checksums=False)` found, in one read instead of two.
 
-    Returns: a report with the manifest, notes about tolerated changes and timings (`verify_s`:
-        None when the restored state was not verified).
+    Returns: what was loaded (the manifest), notes about tolerated changes, and timings.
     Raises:
         CheckpointMismatchError: incompatible model, optimizer state saved but no optimizer to take
             it (or the reverse; see check_optimizer), or restored state differs from what was saved.
@@ -202,7 +212,7 @@ def load_checkpoint(
     if verify:
         verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir)
         verify_s = time.perf_counter() - t_load
-    return {"manifest": manifest, "notes": notes, "load_s": t_load - t0, "verify_s": verify_s}
+    return LoadReport(manifest=manifest, notes=notes, load_s=t_load - t0, verify_s=verify_s)
 
 
 def check_optimizer(manifest: dict[str, Any], target: CheckpointTarget, *, ckpt_dir: Path) -> None:
