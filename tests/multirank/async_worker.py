@@ -54,14 +54,14 @@ def async_by_hand(work: Path, name: str = "async", *, hold: str = SLOW_WRITE_ENV
     ckpt.save(3, reason="test")
     running = ckpt._async.in_flight
     stall_at_return = running.stall_s
-    for _ in range(2):
-        trainer.train_step()  # the parameters and optimizer state move on while step_3 is written
+    # the parameters and optimizer state move on while step_3 is written
+    step_s = [trainer.train_step()["step_time_s"] for _ in range(2)]
     in_flight_after_two_steps = not ckpt._async.done()
     del os.environ[hold]
     ckpt.close()
     trainer.metrics.close()
     return {"in_flight_after_two_steps": in_flight_after_two_steps, "stall_at_return_s": stall_at_return,
-            "stall_s": running.stall_s, "events": read_records(run, events=True) if dist.is_main() else []}
+            "stall_s": running.stall_s, "step_s": step_s, "events": read_records(run, events=True) if dist.is_main() else []}
 
 
 def main() -> None:

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 import torch.distributed as tdist
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from fsdpkit import dist
 from fsdpkit.checkpoint.manager import CheckpointGroups, find_checkpoint
@@ -27,15 +26,8 @@ from fsdpkit.train.determinism import enable_determinism
 from fsdpkit.train.metrics import read_records
 from fsdpkit.train.run import attach_checkpointer, build_trainer
 
-
-def full_state(trainer) -> dict[str, torch.Tensor]:
-    """Every model and optimizer tensor, gathered (collective); keys model.<fqn>, optim.<fqn>.<name>."""
-    model_sd, optim_sd = get_state_dict(trainer.model, trainer.optimizer)
-    out = {f"model.{k}": v.full_tensor() for k, v in model_sd.items()}
-    for fqn, state in optim_sd["state"].items():
-        for k, v in state.items():
-            out[f"optim.{fqn}.{k}"] = v.full_tensor() if hasattr(v, "full_tensor") else v
-    return {k: v.detach().clone().contiguous() for k, v in out.items()}
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from make_ckpt_format2 import full_state  # noqa: E402  (the maker's own dump, so both sides gather alike)
 
 
 def main() -> None:

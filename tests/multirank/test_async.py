@@ -42,17 +42,21 @@ def test_async_checkpoint_is_the_state_at_its_step_although_training_ran_on(res)
 def test_background_staging_returns_at_once_and_the_next_optimizer_step_waits_for_the_copy(res):
     bg = res["async_bg"]
     # the copy was held back 1.5 s: the save call returned before it, the first optimizer step
-    # after it waited for the rest of it (1.5 s less that step's forward/backward; counted in the
-    # stall), and the checkpoint is the state at step 3
+    # after it waited for the rest of it (so that step took the 1.5 s however fast its forward and
+    # backward ran), the wait is counted in the stall (1.5 s less that forward/backward, which the
+    # next step's own time bounds: the machine's load moves both alike), and the checkpoint is
+    # the state at step 3
+    first, second = bg["step_s"]
     assert bg["stall_at_return_s"] < 0.5, bg
-    assert bg["stall_s"] >= 1.0, bg
+    assert first >= 1.5, bg
+    assert bg["stall_s"] >= 1.5 - second - 0.25 and bg["stall_s"] >= 0.5, bg
     ref, got = res["manifests"]["reference"], res["manifests"]["async_bg"]
     assert got["tensors"] == ref["tensors"] and got["trainer"] == ref["trainer"]
     # the checksums above came from the staging copy's own pass, not from a pass of their own
     assert "staging_and_hash_s" in got["timings"] and "hash_s" not in got["timings"], got["timings"]
     assert "hash_s" in res["manifests"]["async"]["timings"]  # blocking staging: hashed beside the write
     event = next(r for r in bg["events"] if r["event"] == "checkpoint")
-    assert event["mode"] == "async" and event["step"] == 3 and event["stall_s"] >= 1.0
+    assert event["mode"] == "async" and event["step"] == 3 and event["stall_s"] >= 0.5
 
 
 def test_exception_on_every_rank_saves_on_exception_at_the_last_boundary(res):
