@@ -155,7 +155,6 @@ def is_hf_model(model: nn.Module) -> bool:
     return hasattr(model, "_init_weights") and hasattr(model, "initialize_weights") and hasattr(model, "config")
 
 
-@torch.no_grad()
 @contextlib.contextmanager
 def transformers_class(model: nn.Module) -> Iterator[nn.Module]:
     """`model` seen, inside the block, with the class transformers built. fully_shard gives a root
@@ -172,6 +171,7 @@ def transformers_class(model: nn.Module) -> Iterator[nn.Module]:
         model.__class__ = wrapped
 
 
+@torch.no_grad()
 def init_hf_buffers(model: nn.Module, *, leave_to_model: frozenset[int] = frozenset(),
                     keep_persistent: bool = False) -> None:
     """Give every buffer (and the parameters whose id is in `leave_to_model`) the value the model's
@@ -197,9 +197,8 @@ def init_hf_buffers(model: nn.Module, *, leave_to_model: frozenset[int] = frozen
         _local(p).fill_(float("nan"))
     with transformers_class(model):
         model.initialize_weights()
-    with torch.no_grad():
-        for buffer, value in kept.values():
-            buffer.copy_(value)
+    for buffer, value in kept.values():
+        buffer.copy_(value)
     for p in model.parameters():
         p._is_hf_initialized = True
     unset = [f"{name} of {type(model.get_submodule(name.rpartition('.')[0])).__name__}"
