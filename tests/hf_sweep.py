@@ -6,7 +6,7 @@ and checked as the matrix checks it: step 1's loss against transformers' own, ev
 part of `make test`.
 
 Usage: python tests/hf_sweep.py WORK_DIR [MODEL_TYPE ...]   (default: SWEEP below)
-All 30 of SWEEP passed at b33cbc2 with transformers 5.24.0 (run through an earlier draft of this
+All 30 of SWEEP passed at e1df8f0 with transformers 5.24.0 (run through an earlier draft of this
 script with the same configs; stablelm and falcon rerun through this one).
 """
 
