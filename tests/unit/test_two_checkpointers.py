@@ -171,3 +171,27 @@ def test_every_public_method_says_whether_it_is_collective():
     methods["from_config"] = Checkpointer.from_config.__doc__
     unsaid = sorted(name for name, doc in methods.items() if "collective" not in (doc or "").lower())
     assert not unsaid, f"Checkpointer methods whose docstring does not say whether they are collective: {unsaid}"
+
+
+def test_a_hugging_face_folder_in_a_bucket_is_read_with_the_options_given(buckets, tmp_path):
+    """load_hf_weights opens a URL with the storage options it is given (the trainer passes
+    checkpoint.storage_options for model.init_from=hf:URL), nothing process-wide."""
+    from safetensors.torch import save_file
+
+    from fsdpkit.config import compose_config
+    from fsdpkit.export.hf_import import load_hf_weights
+    from fsdpkit.model import build_model
+
+    tiny = compose_config(["model.hidden_size=16", "model.intermediate_size=24", "model.vocab_size=32"]).model
+    torch.manual_seed(0)
+    src, dst = build_model(tiny), build_model(tiny)
+    save_file({k: v.contiguous() for k, v in src.state_dict().items()}, tmp_path / "model.safetensors")
+    url = f"{SCHEME}://{buckets['student']}/hf"
+    remote = open_storage(url, {"tag": "init"})
+    remote.mkdir(parents=True, exist_ok=True)
+    (remote / "model.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes())
+    TaggedMemory.opened.clear()
+    load_hf_weights(dst, url, storage_options={"tag": "init"})
+    assert all(torch.equal(a, b) for a, b in zip(src.state_dict().values(), dst.state_dict().values(), strict=True))
+    reads = [tag for tag, key in TaggedMemory.opened if key.endswith("model.safetensors")]
+    assert reads and set(reads) == {"init"}, TaggedMemory.opened

@@ -126,7 +126,8 @@ def _meta(entry: tuple[Any, torch.dtype, list[int]]) -> torch.Tensor:
 
 
 def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *,
-                    rename: Callable[[str], str | None] | None = None, grow_rows: bool = False) -> dict[str, Any]:
+                    rename: Callable[[str], str | None] | None = None, grow_rows: bool = False,
+                    storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Fill `model`'s parameters and persistent buffers from safetensors in `hf_dir`.
 
     Works on FSDP2-sharded models (each rank reads its own slices; call it on every rank) and
@@ -146,6 +147,8 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *,
             does not hold by design (LoRA adapters: fsdpkit.model.peft.peft_base_name).
         grow_rows: a model tensor with more dim-0 rows than the file's (a vocabulary grown to a
             tokenizer) takes the file's rows as its first rows; the others keep their values.
+        storage_options: opens `hf_dir` when it is a URL (e.g. endpoint_url; the trainer passes
+            checkpoint.storage_options).
     Returns:
         {"loaded", "converted", "grown", "ignored", "files", "conversions", "bytes_read", "seconds"}
         for this rank (`bytes_read` counts what it read).
@@ -155,7 +158,7 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *,
             the model lacks, listing every one; nothing has been modified then.
     """
     t0 = time.perf_counter()
-    hf_dir = open_storage(hf_dir)  # a local folder, or an fsspec URL read by ranged GETs
+    hf_dir = open_storage(hf_dir, storage_options)  # a local folder, or an fsspec URL read by ranged GETs
     if not hf_dir.exists():
         raise FileNotFoundError(f"{hf_dir} does not exist")
     index = _file_index(hf_dir)

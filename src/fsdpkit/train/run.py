@@ -88,7 +88,8 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
         if config_json.is_file():  # a local folder: its vocabulary and tying must be the model's
             check_vocab_and_tie(model, read_json_object(config_json, where=f"model.init_from={init_from}"),
                                 grown_vocab_ok=grown)
-        loaded = load_hf_weights(model, init_from, rename=peft_base_name if lora else None, grow_rows=grown)
+        loaded = load_hf_weights(model, init_from, rename=peft_base_name if lora else None, grow_rows=grown,
+                                 storage_options=cfg.checkpoint.storage_options)
         log.info("initialised %d tensors from %s in %.2f s (rank 0 read %.1f MiB: its own slices)",
                  loaded["loaded"], init_from, loaded["seconds"], loaded["bytes_read"] / 2**20)
     log.info(precision_note(cfg, plan, model))
