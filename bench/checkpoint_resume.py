@@ -67,7 +67,7 @@ def _resume(b: Bench, root: Path, *, before: bool) -> dict[str, Any]:
     t1 = time.perf_counter()
     report = load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group, verify=True,
                              verify_files=not before)
-    return {"resolve_s": t1 - t0, "load_s": report["load_s"], "verify_s": report["verify_s"]}
+    return {"resolve_s": t1 - t0, "load_s": report.load_s, "verify_s": report.verify_s}
 
 
 def resume_fsdpkit(b: Bench, root: Path) -> dict[str, Any]:

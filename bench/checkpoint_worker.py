@@ -651,7 +651,7 @@ def bench_load(b: Bench, path: Path, runs: int) -> dict[str, Any]:
             report, dt = timed(variants[name], b.sync_group)
             times[name].append(dt)
             if name.endswith("verify=True"):
-                verify_s.append(report["verify_s"])
+                verify_s.append(report.verify_s)
         log(f"load on {tdist.get_world_size()} ranks, run {r + 1}/{runs}: "
             + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in names))
     return {"seconds": times, "median_s": {n: med(times[n]) for n in names}, "verify_part_median_s": med(verify_s)}
