@@ -2,11 +2,13 @@
 
 An orchestrator (this process, without RANK) first measures the machine's ceilings, then runs
 the benchmark phases under torchrun (OMP_NUM_THREADS=1 per rank; bench/checkpoint_worker.py),
-collects their JSON, and prints one markdown report against the targets; it writes
-bench/results/checkpoint.json. Checkpoints go to a temporary directory on the repository's disk
-(bench/checkpoint_run_*, or under --dir), deleted after every run and at the end.
+collects their JSON, and prints one markdown report against the targets (bench/checkpoint_report.py,
+bench/checkpoint_tables.py); it writes bench/results/checkpoint.json. Checkpoints go to a temporary
+directory on the repository's disk (bench/checkpoint_run_*, or under --dir), deleted after every
+run and at the end.
 
-Ceilings (this process, torch on one thread, as each rank runs; every one a median of --ceiling-reps):
+Ceilings (bench/checkpoint_ceilings.py; this process, torch on one thread, as each rank runs; every
+one a median of --ceiling-reps):
 - disk write: N new files (N = 1, 2 and every --scale-ranks count) of --ceiling-gib / N each,
   written at once by N threads in 256 KiB os.write calls, each fsynced (a new set of files per
   repetition, the previous set deleted first, as between checkpoint runs): the yardstick of N
@@ -64,7 +66,7 @@ in every other run, so that none is always first nor always right after the same
   set_state_dict, and in the same rotation a raw read of the same bytes on as many ranks (the
   disk at that moment). B5 elastic load: the same checkpoint loaded on 1 and on 3 ranks (separate
   torchrun launches); time relative to the 2-rank load, also each over its own raw read.
-- B6 goodput: --b6-steps fixed-cost steps, a save every --b6-every steps, for no checkpoint,
+- B6 goodput (bench/checkpoint_goodput.py): --b6-steps fixed-cost steps, a save every --b6-every steps, for no checkpoint,
   fsdpkit sync, fsdpkit AsyncSaver (blocking and background staging) and dcp.async_save, state
   --b6-size-gib; --b6-rounds runs of each (medians), in the order A B C D E, then E D C B A, ...;
   each async method is made once per phase and warmed by one untimed save before the runs, as a
@@ -93,25 +95,26 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import mmap
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from checkpoint_ceilings import measure_ceilings
+from checkpoint_common import FSDPKIT, PLAIN, RESUME_METHODS, T0_ENV
+from checkpoint_measure import drop_page_cache
+from checkpoint_report import render
+
 RESULTS = Path(__file__).parent / "results" / "checkpoint.json"
 PHASES = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")
-CHUNK = 16 * 2**20
-MiB, GiB = 2**20, 2**30
+GiB = 2**30
 QUICK = {"sizes_gib": "0.125", "runs": 2, "b3_runs": 1, "b6_size_gib": 0.0625, "b6_steps": 40, "b6_every": 10,
          "step_ms": 20.0, "ceiling_gib": 0.25, "memcpy_mib": 128, "b6_rounds": 1, "ceiling_reps": 2,
          "resume_launches": 1, "resume_runs": 1, "scale_sizes_gib": "0.0625,0.125", "scale_rank_size_gib": 0.125, "scale_ranks": "1,2",
@@ -122,222 +125,6 @@ FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps
         "scale_runs": 6}
 
 
-# -- ceilings --------------------------------------------------------------------------------
-def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0, direct: bool = False) -> tuple[float, float]:
-    """(seconds for write + fsync, of which fsync), `block` after `block` in 256 KiB write calls
-    (fsdpkit.checkpoint.page_cache: on a VM that returns free memory to its host, 16 MiB calls
-    were up to 3x slower); with `writeback`, the write-back of every `writeback` bytes is started
-    as the writing goes on, as fsdpkit's checkpoint writer does where O_DIRECT is off; with
-    `direct`, through O_DIRECT from reused aligned buffers, as fsdpkit's checkpoint writer does
-    (direct_io.DirectWriter, hashing.DIRECT_BUFFER_BYTES blocks on DIRECT_WRITERS threads)."""
-    from fsdpkit.checkpoint.direct_io import DirectWriter
-    from fsdpkit.checkpoint.hashing import DIRECT_BUFFER_BYTES, DIRECT_WRITERS
-    from fsdpkit.checkpoint.page_cache import write_in_pieces
-    from fsdpkit.checkpoint.writeback import WriteBack
-
-    t0 = time.perf_counter()
-    if direct:
-        writer = DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS)
-        try:
-            if not writer.direct:
-                raise OSError(f"{path.parent} takes no O_DIRECT writes")
-            for _ in range(nbytes // len(block)):
-                writer.write(block)
-            writer.finish()
-            t1 = time.perf_counter()
-            writer.close()
-        finally:
-            writer.abort()
-        t2 = time.perf_counter()
-        return t2 - t0, t2 - t1
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        wb = WriteBack(fd, writeback)
-        for i in range(nbytes // len(block)):
-            view = memoryview(block)
-            while view:  # in page_cache.WRITE_PIECE_BYTES calls, as fsdpkit's writer writes
-                view = view[write_in_pieces(lambda v: os.write(fd, v), view):]
-            wb.written_to((i + 1) * len(block))
-        t1 = time.perf_counter()
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    t2 = time.perf_counter()
-    return t2 - t0, t2 - t1
-
-
-def _read_file(path: Path, *, drop: bool, direct: bool = False) -> float:
-    """Seconds to read `path` in CHUNK reads (after evicting it from the page cache if `drop`):
-    with O_DIRECT, or through the page cache with a new descriptor every 16 MiB, as fsdpkit's
-    loads read (fsdpkit.checkpoint.page_cache: on a VM that returns free memory to its host, one
-    descriptor's growing readahead was up to 2.5x slower)."""
-    from fsdpkit.checkpoint.page_cache import SequentialReader
-
-    if drop:
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    buf = mmap.mmap(-1, CHUNK)  # page-aligned, as O_DIRECT needs
-    try:
-        t0 = time.perf_counter()
-        if direct:
-            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-            try:
-                while os.readv(fd, [buf]) > 0:
-                    pass
-            finally:
-                os.close(fd)
-        else:
-            with SequentialReader(path) as reader:
-                while reader.readinto(buf) > 0:
-                    pass
-        return time.perf_counter() - t0
-    finally:
-        buf.close()
-
-
-def _concurrently(fns: list) -> float:
-    """Seconds until every one of `fns`, each started on its own thread at once, returned."""
-    threads = [threading.Thread(target=fn) for fn in fns]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.perf_counter() - t0
-
-
-def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block: bytes) -> dict[str, Any]:
-    """`streams` new files of nbytes/streams each, written at once by as many threads (os.write
-    drops the GIL), each fsynced: what N ranks writing their shards at once can reach. Three ways,
-    alternating: plain (all the write-back in the fsync), starting the write-back every
-    WRITEBACK_BYTES as the writing goes on, and O_DIRECT (fsdpkit's writer does the last, or the
-    second where O_DIRECT is off); the ceiling is the fastest median. A new set of files per repetition, the previous set deleted first (the pattern of the
-    checkpoint runs: new files, the last run's deleted; rewriting one file in place was ~4x slower
-    here)."""
-    from fsdpkit.checkpoint.hashing import WRITEBACK_BYTES
-
-    each = nbytes // streams // CHUNK * CHUNK
-    ways = {"plain": {}, **({"writeback": {"writeback": WRITEBACK_BYTES}} if WRITEBACK_BYTES > 0 else {}),
-            **({"O_DIRECT": {"direct": True}} if _takes_direct(workdir) else {})}
-    times: dict[str, list[float]] = {w: [] for w in ways}
-    fsyncs: dict[str, list[float]] = {w: [] for w in ways}
-    previous: list[Path] = []
-    for r in range(reps):
-        for k, (way, how) in enumerate(ways.items()):
-            for p in previous:
-                p.unlink()
-            previous = [workdir / f"ceiling_{streams}_{r}_{k}_{i}.bin" for i in range(streams)]
-            out: list[tuple[float, float]] = []
-            times[way].append(_concurrently([lambda p=p, out=out, how=how: out.append(_write_file(p, each, block, **how))
-                                             for p in previous]))
-            fsyncs[way].append(max(f for _, f in out))
-    for p in previous:
-        p.unlink()
-    total = each * streams
-    runs = {way: [total / t / 1e9 for t in ts] for way, ts in times.items()}
-    gbps = {way: statistics.median(r) for way, r in runs.items()}
-    best = max(gbps, key=gbps.__getitem__)
-    return {"streams": streams, "bytes": total, "gbps": gbps[best], "runs_gbps": runs[best], "fsync_s": fsyncs[best],
-            "best_way": best, "ways_gbps": gbps, "writeback_bytes": WRITEBACK_BYTES if "writeback" in ways else 0}
-
-
-def _takes_direct(folder: Path) -> bool:
-    """Whether files in `folder` take O_DIRECT writes (not tmpfs, nor with FSDPKIT_DIRECT_IO=0)."""
-    from fsdpkit.checkpoint import direct_io
-
-    made, probe = tempfile.mkstemp(prefix=".o_direct_probe_", dir=folder)  # a new file of ours, never one found there
-    os.close(made)
-    try:
-        fd = direct_io.open_direct(probe, os.O_WRONLY)
-        if fd is None:
-            return False
-        try:
-            os.pwrite(fd, direct_io.aligned_buffer(direct_io.ALIGN).numpy(), 0)
-            return True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-    finally:
-        os.unlink(probe)
-
-
-def read_ceiling(paths: list[Path], *, reps: int, drop: bool, direct: bool = False) -> dict[str, Any]:
-    """All of `paths` read at once, one thread each (evicted from the page cache first if `drop`)."""
-    total = sum(p.stat().st_size for p in paths)
-    runs = [total / _concurrently([lambda p=p: _read_file(p, drop=drop, direct=direct) for p in paths]) / 1e9
-            for _ in range(reps)]
-    return {"streams": len(paths), "bytes": total, "gbps": statistics.median(runs), "runs_gbps": runs}
-
-
-def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: list[int], reps: int) -> dict[str, Any]:
-    """Disk, page-cache and memcpy ceilings; every figure a median of `reps` repetitions."""
-    from fsdpkit.checkpoint import staging
-    from fsdpkit.checkpoint.page_cache import READ_RESTART_BYTES, WRITE_PIECE_BYTES
-
-    torch.set_num_threads(1)
-    nbytes = int(gib * GiB) // CHUNK * CHUNK
-    block = os.urandom(CHUNK)
-    writes = {str(n): write_ceiling(workdir, nbytes=nbytes, streams=n, reps=reps, block=block) for n in streams}
-    reads: dict[str, Any] = {}
-    for n in streams:  # N ranks loading read N files at once
-        each = nbytes // n // CHUNK * CHUNK
-        paths = [workdir / f"read_{n}_{i}.bin" for i in range(n)]
-        for p in paths:
-            _write_file(p, each, block)
-        reads[str(n)] = read_ceiling(paths, reps=reps, drop=True)
-        if n == 1:
-            try:
-                reads["o_direct_1"] = read_ceiling(paths, reps=reps, drop=True, direct=True)
-            except OSError:
-                reads["o_direct_1"] = None
-            reads["warm_1"] = read_ceiling(paths, reps=reps, drop=False)
-        for p in paths:
-            p.unlink()
-    n = memcpy_mib * MiB // 4
-    src, dst = torch.ones(n), torch.empty(n)
-    dst.copy_(src)  # touch the pages once
-    copies, fresh = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        copies.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        torch.empty(n).copy_(src)
-        fresh.append(time.perf_counter() - t0)
-    stream_copy = staging.copy_host if staging.HAS_STREAM_COPY else None  # non-temporal stores
-    streamed = []
-    for _ in range(reps if stream_copy else 0):
-        t0 = time.perf_counter()
-        stream_copy(dst, src)
-        streamed.append(time.perf_counter() - t0)
-    pair_src, pair_dst = [torch.ones(n) for _ in range(2)], [torch.ones(n) for _ in range(2)]  # pages touched
-    # two copies at once (both copies drop the GIL): both ranks stage at the same moment
-    together = [_concurrently([lambda d=d, s=s: d.copy_(s) for d, s in zip(pair_dst, pair_src, strict=True)])
-                for _ in range(reps)]
-    together_streamed = [_concurrently([lambda d=d, s=s: stream_copy(d, s)
-                                        for d, s in zip(pair_dst, pair_src, strict=True)])
-                         for _ in range(reps)] if stream_copy else []
-    del src, dst, pair_src, pair_dst
-    gbps = lambda b, ts: b / statistics.median(ts) / 1e9  # noqa: E731
-
-    return {
-        "reps": reps,
-        "write_fsync": writes,
-        "write_piece_bytes": WRITE_PIECE_BYTES,
-        "read_cold": reads,
-        "read_restart_bytes": READ_RESTART_BYTES,
-        "memcpy_bytes": n * 4,
-        "memcpy_gbps": gbps(n * 4, copies),
-        "memcpy_fresh_alloc_gbps": gbps(n * 4, fresh),
-        "memcpy_2threads_each_gbps": gbps(n * 4, together),
-        **({"memcpy_stream_gbps": gbps(n * 4, streamed),
-            "memcpy_stream_2threads_each_gbps": gbps(n * 4, together_streamed)} if stream_copy else {}),
-    }
-
-
-# -- orchestration ---------------------------------------------------------------------------
 def code_version() -> dict[str, Any]:
     """The commit and a digest of fsdpkit's checkpoint code: each phase imports it when it starts,
     so an edit during the run would mix versions (the report says so)."""
@@ -363,18 +150,12 @@ def launch(args: argparse.Namespace, phase: str, nproc: int, size: float, workdi
            *extra]
     print(f"[checkpoint bench] phase {phase}{tag}, {nproc} ranks, {size:g} GiB", file=sys.stderr, flush=True)
     # the whole-resume phase times from here: torchrun's and the interpreters' start-up included
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDPKIT_BENCH_T0": repr(time.time())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", T0_ENV: repr(time.time())}
     rc = subprocess.run(cmd, env=env).returncode
     out = workdir / f"result_{phase}_{nproc}_{size:g}{tag}.json"
     if not out.is_file():
         return f"phase {phase}{tag} on {nproc} ranks ({size:g} GiB) failed with exit code {rc}"
     return json.loads(out.read_text())
-
-
-def _evict(root: Path) -> None:
-    from checkpoint_worker import drop_page_cache  # noqa: I001 - a sibling module of this script
-
-    drop_page_cache(root)
 
 
 def whole_resumes(args: argparse.Namespace, nproc: int, size: float, workdir: Path, root: Path, *,
@@ -383,7 +164,7 @@ def whole_resumes(args: argparse.Namespace, nproc: int, size: float, workdir: Pa
     out = []
     for i in range(launches):
         for k, method in enumerate(methods[i % len(methods):] + methods[: i % len(methods)]):
-            _evict(root)
+            drop_page_cache(root)
             out.append(launch(args, "resume", nproc, size, workdir, tag=f"_{i}_{k}",
                               extra=("--resume-root", str(root), "--resume-first", method, "--runs", str(runs))))
     return out
@@ -399,8 +180,6 @@ def _available_bytes() -> int:
 
 def scaling(args: argparse.Namespace, workdir: Path, results: dict[str, Any]) -> None:
     """B8: save and whole resume per (state size, ranks); sizes that would not fit in RAM skipped."""
-    from checkpoint_resume import FSDPKIT, RESUME_METHODS  # noqa: I001 - a sibling module of this script
-
     rows: dict[str, Any] = {}
     configs = [(s, 2) for s in args.scale_sizes] + [(args.scale_rank_size, n) for n in args.scale_ranks if n != 2]
     for size, nproc in configs:
@@ -423,8 +202,6 @@ def scaling(args: argparse.Namespace, workdir: Path, results: dict[str, Any]) ->
 
 
 def orchestrate(args: argparse.Namespace) -> int:
-    from checkpoint_resume import FSDPKIT, PLAIN  # noqa: I001 - a sibling module of this script
-
     t_start = time.monotonic()
     load_before = os.getloadavg()
     parent = Path(args.dir) if args.dir else Path(__file__).parent
@@ -477,8 +254,6 @@ def orchestrate(args: argparse.Namespace) -> int:
 
 def report() -> str:
     """Render RESULTS (and store the verdicts in it): the markdown report."""
-    from checkpoint_report import render  # noqa: I001 - a sibling module of this script
-
     results = json.loads(RESULTS.read_text())
     text, results["targets"] = render(results)
     results["markdown"] = text
@@ -552,7 +327,8 @@ def main() -> None:
         print(report())
         return
     if "RANK" in os.environ:
-        from checkpoint_worker import run_phase  # noqa: I001 - a sibling module of this script
+        # imported here: the orchestrator, which measures the ceilings, never loads the ranks' stack
+        from checkpoint_worker import run_phase
 
         run_phase(args)
         return

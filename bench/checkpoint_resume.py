@@ -16,7 +16,8 @@ same host) until the first training step after the resume returned on every rank
 The first step is one real forward/backward/AdamW step. The checkpoint part (resolution to loaded
 and verified) is timed apart; after the first step the same process repeats the checkpoint part of
 all three `--runs` times each (rounded up to a multiple of 3; pages evicted before each; each
-method following each about equally often, see `balanced_order`) for medians and peak RSS.
+method following each about equally often, see `checkpoint_common.balanced_order`) for medians
+and peak RSS.
 
 Scaling (phase "scale"): per (size, ranks), fsdpkit `save_checkpoint` and plain `dcp.save`
 alternating, `--scale-runs` times each, wall time and peak RSS; the last fsdpkit save stays for
@@ -35,28 +36,30 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import set_state_dict
 
-from checkpoint_worker import (  # noqa: I001 - a sibling module of this script
-    Bench,
+from checkpoint_common import (
+    DCP_SYNC,
+    FSDPKIT,
+    FSDPKIT_SYNC,
+    PLAIN,
+    RESUME_METHODS,
+    T0_ENV,
+    TWO_READS,
+    balanced_order,
+)
+from checkpoint_measure import (
     PeakRSS,
-    dcp_state,
     drop_page_cache,
     gather,
     log,
     max_over_ranks,
     med,
-    real_step,
     remove,
-    save_dcp,
-    save_fsdpkit,
     timed,
     trim,
 )
+from checkpoint_methods import dcp_state, save_dcp, save_fsdpkit
+from checkpoint_model import Bench, real_step
 from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
-
-T0_ENV = "FSDPKIT_BENCH_T0"
-FSDPKIT, PLAIN = "fsdpkit resume (files verified while loading)", "dcp.load + set_state_dict"
-TWO_READS = "fsdpkit, files verified before loading (two reads)"
-RESUME_METHODS = (FSDPKIT, TWO_READS, PLAIN)
 
 
 def _resume(b: Bench, root: Path, *, before: bool) -> dict[str, Any]:
@@ -102,24 +105,6 @@ def _cold(b: Bench, root: Path) -> None:
     tdist.barrier(group=b.sync_group)
 
 
-DE_BRUIJN_3 = (0, 0, 1, 0, 2, 1, 1, 2, 2)
-"""Three methods, each 3 times, each following every method (itself too) once, but for the pair
-(2, 0) (the cycle's wrap-around)."""
-
-
-def balanced_order(methods: tuple[str, ...], runs: int, *, start: int) -> list[str]:
-    """`runs` loads of each of 3 `methods` (rounded up to a multiple of 3), in an order where each
-    follows each about equally often, the methods' roles rotated by `start`. Why: in one process,
-    a load right after a `dcp.load` ran up to 2x slower than after a load of another kind (1 GiB,
-    2 ranks: fsdpkit's 1.34-1.68 s after a dcp.load, 0.56-0.92 s after its own; dcp.load's 0.60-0.73
-    s either way), so a plain rotation, in which one method follows dcp.load more often than
-    dcp.load does, measured the order."""
-    if len(methods) != 3:
-        raise ValueError(f"balanced_order takes 3 methods, got {len(methods)}")
-    names = methods[start:] + methods[:start]
-    return [names[i] for _ in range(-(-runs // 3)) for i in DE_BRUIJN_3]
-
-
 def bench_resume(b: Bench, root: Path, *, first: str, runs: int, launch_t0: float) -> dict[str, Any]:
     """The first resume of this process (`first`), its first step, then `runs` more of each method."""
     t_start = time.time()
@@ -163,7 +148,7 @@ def bench_scale(b: Bench, root: Path, keep: Path, runs: int) -> dict[str, Any]:
     at `keep`. With an odd `runs`, one method is first in one pair more: at 2 GiB this VM's disk
     alternated slow and fast writes (2.2-2.8 s vs 1.0-1.3 s, whichever method wrote), so 5 runs gave
     fsdpkit 3 slow saves and dcp.save 2; the default is even."""
-    methods = {"fsdpkit save_checkpoint": lambda path: save_fsdpkit(b, path), "dcp.save": lambda path: save_dcp(b, path)}
+    methods = {FSDPKIT_SYNC: lambda path: save_fsdpkit(b, path), DCP_SYNC: lambda path: save_dcp(b, path)}
     times: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, list[float]] = {m: [] for m in methods}
     names = list(methods)

@@ -1,0 +1,52 @@
+"""What both sides of bench/checkpoint.py agree on: the method names that the phases write into
+their JSON and the report looks up, and the order of B7's in-process loads, which the report
+rebuilds. No imports: the report needs neither torch nor fsdpkit, and every bench module may
+import this one (it imports none of them).
+"""
+
+from __future__ import annotations
+
+T0_ENV = "FSDPKIT_BENCH_T0"  # the orchestrator's wall clock when it launched torchrun (B7)
+
+# B1 (and B3's sync saves)
+FSDPKIT_SYNC = "fsdpkit save_checkpoint"
+DCP_SYNC = "dcp.save"
+TORCH_SYNC = "torch.save (rank 0, full)"
+RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"  # B1's in-run disk ceilings: this one,
+RAW_WRITE_WB = "raw write + fsync, write-back started every"  # and (prefixes) this one and the O_DIRECT one;
+RAW_WRITE_DIRECT = "raw write + fsync, O_DIRECT"  # the fastest counts
+
+# B2, B3 and B6
+FSDPKIT_ASYNC = "fsdpkit AsyncSaver"
+FSDPKIT_ASYNC_BG = "fsdpkit AsyncSaver, background staging"
+DCP_ASYNC = "dcp.async_save"
+DCP_ASYNC_STAGER = "dcp.async_save + DefaultStager"
+B6_MODES = ("no checkpoint", "fsdpkit sync", FSDPKIT_ASYNC, FSDPKIT_ASYNC_BG, DCP_ASYNC)
+
+# B4 and B5
+FSDPKIT_LOAD = "fsdpkit load_checkpoint"
+FSDPKIT_LOAD_VERIFY = "fsdpkit load_checkpoint, verify=True"
+DCP_LOAD = "dcp.load + set_state_dict"
+RAW_READ = "raw read of each rank's share of the bytes (ceiling)"  # B4/B5's disk ceiling
+
+# B7 and B8
+FSDPKIT, PLAIN = "fsdpkit resume (files verified while loading)", DCP_LOAD
+TWO_READS = "fsdpkit, files verified before loading (two reads)"
+RESUME_METHODS = (FSDPKIT, TWO_READS, PLAIN)
+
+DE_BRUIJN_3 = (0, 0, 1, 0, 2, 1, 1, 2, 2)
+"""Three methods, each 3 times, each following every method (itself too) once, but for the pair
+(2, 0) (the cycle's wrap-around)."""
+
+
+def balanced_order(methods: tuple[str, ...], runs: int, *, start: int) -> list[str]:
+    """`runs` loads of each of 3 `methods` (rounded up to a multiple of 3), in an order where each
+    follows each about equally often, the methods' roles rotated by `start`. Why: in one process,
+    a load right after a `dcp.load` ran up to 2x slower than after a load of another kind (1 GiB,
+    2 ranks: fsdpkit's 1.34-1.68 s after a dcp.load, 0.56-0.92 s after its own; dcp.load's 0.60-0.73
+    s either way), so a plain rotation, in which one method follows dcp.load more often than
+    dcp.load does, measured the order."""
+    if len(methods) != 3:
+        raise ValueError(f"balanced_order takes 3 methods, got {len(methods)}")
+    names = methods[start:] + methods[:start]
+    return [names[i] for _ in range(-(-runs // 3)) for i in DE_BRUIJN_3]
