@@ -40,11 +40,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from fsdpkit import dist
+from fsdpkit import dist, tunables
 from fsdpkit.checkpoint import direct_io
 from fsdpkit.checkpoint.async_save import AsyncSaver
 from fsdpkit.checkpoint.direct_io import DirectWriter
-from fsdpkit.checkpoint.hashing import DIRECT_BUFFER_BYTES, DIRECT_WRITERS, WRITEBACK_BYTES
+from fsdpkit.checkpoint.hashing import DIRECT_WRITERS
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary
 from fsdpkit.checkpoint.page_cache import write_in_pieces
 from fsdpkit.checkpoint.resume import load_checkpoint
@@ -335,15 +335,15 @@ RAW_CHUNK = 16 << 20
 
 def write_raw(b: Bench, root: Path, *, writeback: int = 0, direct: bool = False) -> None:
     """The disk's ceiling for this save, taken beside it: every rank writes its own state bytes
-    (the same bytes a save writes) to a new file in os.write calls of page_cache.WRITE_PIECE_BYTES
+    (the same bytes a save writes) to a new file in os.write calls of FSDPKIT_WRITE_PIECE_BYTES
     (256 KiB), then fsyncs it; with `writeback`, starting the write-back of every `writeback`
-    bytes as it goes (hashing.WRITEBACK_BYTES); with `direct`, through O_DIRECT from reused aligned
+    bytes as it goes (FSDPKIT_WRITEBACK_BYTES); with `direct`, through O_DIRECT from reused aligned
     buffers (direct_io.DirectWriter as fsdpkit's checkpoint writer sets it up): the ways fsdpkit's
     writer writes, with O_DIRECT and where it is off."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"raw_{b.rank}.bin"
     if direct:
-        writer = DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS)
+        writer = DirectWriter(path, buffer_bytes=TUNED.direct_write_buffer_bytes, writers=DIRECT_WRITERS)
         try:
             for t in local_tensors(b, with_steps=True):
                 writer.write(t.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -368,14 +368,15 @@ def write_raw(b: Bench, root: Path, *, writeback: int = 0, direct: bool = False)
 
 SYNC_SAVES: dict[str, Callable[[Bench, Path], Any]] = {
     "fsdpkit save_checkpoint": save_fsdpkit, "dcp.save": save_dcp, "torch.save (rank 0, full)": save_torch}
+TUNED = tunables.current()  # this benchmark process's FSDPKIT_* settings, which name the ceilings
 RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"
-RAW_WRITE_WB = f"raw write + fsync, write-back started every {WRITEBACK_BYTES >> 20} MiB (ceiling)"
+RAW_WRITE_WB = f"raw write + fsync, write-back started every {TUNED.writeback_bytes >> 20} MiB (ceiling)"
 RAW_WRITES: dict[str, Callable[[Bench, Path], Any]] = {RAW_WRITE: write_raw}
-if WRITEBACK_BYTES > 0:
-    RAW_WRITES[RAW_WRITE_WB] = functools.partial(write_raw, writeback=WRITEBACK_BYTES)
-RAW_WRITE_DIRECT = (f"raw write + fsync, O_DIRECT from {DIRECT_BUFFER_BYTES >> 20} MiB buffers on {DIRECT_WRITERS} "
-                    "threads (ceiling)")
-if direct_io.ENABLED:
+if TUNED.writeback_bytes > 0:
+    RAW_WRITES[RAW_WRITE_WB] = functools.partial(write_raw, writeback=TUNED.writeback_bytes)
+RAW_WRITE_DIRECT = (f"raw write + fsync, O_DIRECT from {TUNED.direct_write_buffer_bytes >> 20} MiB buffers on "
+                    f"{DIRECT_WRITERS} threads (ceiling)")
+if direct_io.enabled():
     RAW_WRITES[RAW_WRITE_DIRECT] = functools.partial(write_raw, direct=True)
 B1_METHODS = {**SYNC_SAVES, **RAW_WRITES}  # B1 times the ceilings in the same rotation as the saves
 
