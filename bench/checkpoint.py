@@ -365,7 +365,7 @@ def launch(args: argparse.Namespace, phase: str, nproc: int, size: float, workdi
            *extra]
     print(f"[checkpoint bench] phase {phase}{tag}, {nproc} ranks, {size:g} GiB", file=sys.stderr, flush=True)
     # the whole-resume phase times from here: torchrun's and the interpreters' start-up included
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDPKIT_BENCH_T0": repr(time.time())}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "BENCH_T0": repr(time.time())}
     rc = subprocess.run(cmd, env=env).returncode
     out = workdir / f"result_{phase}_{nproc}_{size:g}{tag}.json"
     if not out.is_file():

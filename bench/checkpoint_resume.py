@@ -1,7 +1,7 @@
 """The whole-resume and scaling phases of bench/checkpoint.py (run under torchrun by it).
 
 Whole resume (phase "resume"): a fresh torchrun launch that resumes from a checkpoint as a user's
-run does, timed from the orchestrator's launch of torchrun (FSDPKIT_BENCH_T0, wall clock, the
+run does, timed from the orchestrator's launch of torchrun (BENCH_T0, wall clock, the
 same host) until the first training step after the resume returned on every rank:
 
 - fsdpkit: `resolve_checkpoint("auto")` (the newest committed checkpoint) +
@@ -53,7 +53,7 @@ from checkpoint_worker import (  # noqa: I001 - a sibling module of this script
 )
 from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
 
-T0_ENV = "FSDPKIT_BENCH_T0"
+T0_ENV = "BENCH_T0"
 FSDPKIT, PLAIN = "fsdpkit resume (files verified while loading)", "dcp.load + set_state_dict"
 TWO_READS = "fsdpkit, files verified before loading (two reads)"
 RESUME_METHODS = (FSDPKIT, TWO_READS, PLAIN)
