@@ -240,7 +240,7 @@ _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 def _parse(spec: Tunable, text: str) -> Any:
-    """The value of `spec` written as `text` (checked by Tunables when built)."""
+    """The value of `spec` written as `text`, checked here so that an error quotes the text."""
     if spec.kind is bool:
         low = text.strip().lower()
         value: Any = True if low in _TRUE else False if low in _FALSE else text
