@@ -28,15 +28,16 @@ def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0, di
     were up to 3x slower); with `writeback`, the write-back of every `writeback` bytes is started
     as the writing goes on, as fsdpkit's checkpoint writer does where O_DIRECT is off; with
     `direct`, through O_DIRECT from reused aligned buffers, as fsdpkit's checkpoint writer does
-    (direct_io.DirectWriter, hashing.DIRECT_BUFFER_BYTES blocks on DIRECT_WRITERS threads)."""
+    (direct_io.DirectWriter, FSDPKIT_DIRECT_WRITE_BUFFER_BYTES blocks on DIRECT_WRITERS threads)."""
+    from fsdpkit import tunables
     from fsdpkit.checkpoint.direct_io import DirectWriter
-    from fsdpkit.checkpoint.hashing import DIRECT_BUFFER_BYTES, DIRECT_WRITERS
+    from fsdpkit.checkpoint.hashing import DIRECT_WRITERS
     from fsdpkit.checkpoint.page_cache import write_in_pieces
     from fsdpkit.checkpoint.writeback import WriteBack
 
     t0 = time.perf_counter()
     if direct:
-        writer = DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS)
+        writer = DirectWriter(path, buffer_bytes=tunables.current().direct_write_buffer_bytes, writers=DIRECT_WRITERS)
         try:
             if not writer.direct:
                 raise OSError(f"{path.parent} takes no O_DIRECT writes")
@@ -54,7 +55,7 @@ def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0, di
         wb = WriteBack(fd, writeback)
         for i in range(nbytes // len(block)):
             view = memoryview(block)
-            while view:  # in page_cache.WRITE_PIECE_BYTES calls, as fsdpkit's writer writes
+            while view:  # in FSDPKIT_WRITE_PIECE_BYTES calls, as fsdpkit's writer writes
                 view = view[write_in_pieces(lambda v: os.write(fd, v), view):]
             wb.written_to((i + 1) * len(block))
         t1 = time.perf_counter()
@@ -110,14 +111,15 @@ def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block:
     """`streams` new files of nbytes/streams each, written at once by as many threads (os.write
     drops the GIL), each fsynced: what N ranks writing their shards at once can reach. Three ways,
     alternating: plain (all the write-back in the fsync), starting the write-back every
-    WRITEBACK_BYTES as the writing goes on, and O_DIRECT (fsdpkit's writer does the last, or the
+    FSDPKIT_WRITEBACK_BYTES as the writing goes on, and O_DIRECT (fsdpkit's writer does the last, or the
     second where O_DIRECT is off); the ceiling is the fastest median. A new set of files per repetition, the previous set deleted first (the pattern of the
     checkpoint runs: new files, the last run's deleted; rewriting one file in place was ~4x slower
     here)."""
-    from fsdpkit.checkpoint.hashing import WRITEBACK_BYTES
+    from fsdpkit import tunables
+    writeback_bytes = tunables.current().writeback_bytes
 
     each = nbytes // streams // CHUNK * CHUNK
-    ways = {"plain": {}, **({"writeback": {"writeback": WRITEBACK_BYTES}} if WRITEBACK_BYTES > 0 else {}),
+    ways = {"plain": {}, **({"writeback": {"writeback": writeback_bytes}} if writeback_bytes > 0 else {}),
             **({"O_DIRECT": {"direct": True}} if _takes_direct(workdir) else {})}
     times: dict[str, list[float]] = {w: [] for w in ways}
     fsyncs: dict[str, list[float]] = {w: [] for w in ways}
@@ -138,7 +140,7 @@ def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block:
     gbps = {way: statistics.median(r) for way, r in runs.items()}
     best = max(gbps, key=gbps.__getitem__)
     return {"streams": streams, "bytes": total, "gbps": gbps[best], "runs_gbps": runs[best], "fsync_s": fsyncs[best],
-            "best_way": best, "ways_gbps": gbps, "writeback_bytes": WRITEBACK_BYTES if "writeback" in ways else 0}
+            "best_way": best, "ways_gbps": gbps, "writeback_bytes": writeback_bytes if "writeback" in ways else 0}
 
 
 def _takes_direct(folder: Path) -> bool:
@@ -172,8 +174,8 @@ def read_ceiling(paths: list[Path], *, reps: int, drop: bool, direct: bool = Fal
 
 def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: list[int], reps: int) -> dict[str, Any]:
     """Disk, page-cache and memcpy ceilings; every figure a median of `reps` repetitions."""
+    from fsdpkit import tunables
     from fsdpkit.checkpoint import staging
-    from fsdpkit.checkpoint.page_cache import READ_RESTART_BYTES, WRITE_PIECE_BYTES
 
     torch.set_num_threads(1)
     nbytes = int(gib * GiB) // CHUNK * CHUNK
@@ -224,9 +226,9 @@ def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: lis
     return {
         "reps": reps,
         "write_fsync": writes,
-        "write_piece_bytes": WRITE_PIECE_BYTES,
+        "write_piece_bytes": tunables.current().write_piece_bytes,
         "read_cold": reads,
-        "read_restart_bytes": READ_RESTART_BYTES,
+        "read_restart_bytes": tunables.current().read_restart_bytes,
         "memcpy_bytes": n * 4,
         "memcpy_gbps": gbps(n * 4, copies),
         "memcpy_fresh_alloc_gbps": gbps(n * 4, fresh),

@@ -6,10 +6,10 @@ import this one (it imports none of them).
 
 from __future__ import annotations
 
-T0_ENV = "FSDPKIT_BENCH_T0"  # the orchestrator's wall clock when it launched torchrun (B7)
+T0_ENV = "BENCH_T0"  # the orchestrator's wall clock when it launched torchrun (B7)
 
 # B1 (and B3's sync saves)
-FSDPKIT_SYNC = "fsdpkit save_checkpoint"
+OUR_SYNC = "fsdpkit save_checkpoint"
 DCP_SYNC = "dcp.save"
 TORCH_SYNC = "torch.save (rank 0, full)"
 RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"  # B1's in-run disk ceilings: this one,
@@ -17,15 +17,15 @@ RAW_WRITE_WB = "raw write + fsync, write-back started every"  # and (prefixes) t
 RAW_WRITE_DIRECT = "raw write + fsync, O_DIRECT"  # the fastest counts
 
 # B2, B3 and B6
-FSDPKIT_ASYNC = "fsdpkit AsyncSaver"
-FSDPKIT_ASYNC_BG = "fsdpkit AsyncSaver, background staging"
+OUR_ASYNC = "fsdpkit AsyncSaver"
+OUR_ASYNC_BG = "fsdpkit AsyncSaver, background staging"
 DCP_ASYNC = "dcp.async_save"
 DCP_ASYNC_STAGER = "dcp.async_save + DefaultStager"
-B6_MODES = ("no checkpoint", "fsdpkit sync", FSDPKIT_ASYNC, FSDPKIT_ASYNC_BG, DCP_ASYNC)
+B6_MODES = ("no checkpoint", "fsdpkit sync", OUR_ASYNC, OUR_ASYNC_BG, DCP_ASYNC)
 
 # B4 and B5
-FSDPKIT_LOAD = "fsdpkit load_checkpoint"
-FSDPKIT_LOAD_VERIFY = "fsdpkit load_checkpoint, verify=True"
+OUR_LOAD = "fsdpkit load_checkpoint"
+OUR_LOAD_VERIFY = "fsdpkit load_checkpoint, verify=True"
 DCP_LOAD = "dcp.load + set_state_dict"
 RAW_READ = "raw read of each rank's share of the bytes (ceiling)"  # B4/B5's disk ceiling
 

@@ -28,23 +28,26 @@ from checkpoint_common import (
     DCP_ASYNC,
     DCP_ASYNC_STAGER,
     DCP_SYNC,
-    FSDPKIT_ASYNC,
-    FSDPKIT_ASYNC_BG,
-    FSDPKIT_SYNC,
+    OUR_ASYNC,
+    OUR_ASYNC_BG,
+    OUR_SYNC,
     RAW_WRITE,
     RAW_WRITE_DIRECT,
     RAW_WRITE_WB,
     TORCH_SYNC,
 )
 from checkpoint_model import Bench, local_tensors
+from fsdpkit import tunables
 from fsdpkit.checkpoint import direct_io
 from fsdpkit.checkpoint.async_save import AsyncSaver
 from fsdpkit.checkpoint.direct_io import DirectWriter
-from fsdpkit.checkpoint.hashing import DIRECT_BUFFER_BYTES, DIRECT_WRITERS, WRITEBACK_BYTES
+from fsdpkit.checkpoint.hashing import DIRECT_WRITERS
 from fsdpkit.checkpoint.manifest import optimizer_summary
 from fsdpkit.checkpoint.page_cache import write_in_pieces
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.writeback import WriteBack
+
+TUNED = tunables.current()  # this benchmark process's FSDPKIT_* settings, which name the ceilings
 
 
 # -- saves -----------------------------------------------------------------------------------
@@ -85,15 +88,15 @@ RAW_CHUNK = 16 << 20
 
 def write_raw(b: Bench, root: Path, *, writeback: int = 0, direct: bool = False) -> None:
     """The disk's ceiling for this save, taken beside it: every rank writes its own state bytes
-    (the same bytes a save writes) to a new file in os.write calls of page_cache.WRITE_PIECE_BYTES
+    (the same bytes a save writes) to a new file in os.write calls of FSDPKIT_WRITE_PIECE_BYTES
     (256 KiB), then fsyncs it; with `writeback`, starting the write-back of every `writeback`
-    bytes as it goes (hashing.WRITEBACK_BYTES); with `direct`, through O_DIRECT from reused aligned
+    bytes as it goes (FSDPKIT_WRITEBACK_BYTES); with `direct`, through O_DIRECT from reused aligned
     buffers (direct_io.DirectWriter as fsdpkit's checkpoint writer sets it up): the ways fsdpkit's
     writer writes, with O_DIRECT and where it is off."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"raw_{b.rank}.bin"
     if direct:
-        writer = DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS)
+        writer = DirectWriter(path, buffer_bytes=TUNED.direct_write_buffer_bytes, writers=DIRECT_WRITERS)
         try:
             for t in local_tensors(b, with_steps=True):
                 writer.write(t.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -117,13 +120,13 @@ def write_raw(b: Bench, root: Path, *, writeback: int = 0, direct: bool = False)
 
 
 SYNC_SAVES: dict[str, Callable[[Bench, Path], Any]] = {
-    FSDPKIT_SYNC: save_fsdpkit, DCP_SYNC: save_dcp, TORCH_SYNC: save_torch}
+    OUR_SYNC: save_fsdpkit, DCP_SYNC: save_dcp, TORCH_SYNC: save_torch}
 RAW_WRITES: dict[str, Callable[[Bench, Path], Any]] = {RAW_WRITE: write_raw}
-if WRITEBACK_BYTES > 0:
-    RAW_WRITES[f"{RAW_WRITE_WB} {WRITEBACK_BYTES >> 20} MiB (ceiling)"] = functools.partial(
-        write_raw, writeback=WRITEBACK_BYTES)
-if direct_io.ENABLED:
-    RAW_WRITES[f"{RAW_WRITE_DIRECT} from {DIRECT_BUFFER_BYTES >> 20} MiB buffers on {DIRECT_WRITERS} threads "
+if TUNED.writeback_bytes > 0:
+    RAW_WRITES[f"{RAW_WRITE_WB} {TUNED.writeback_bytes >> 20} MiB (ceiling)"] = functools.partial(
+        write_raw, writeback=TUNED.writeback_bytes)
+if direct_io.enabled():
+    RAW_WRITES[f"{RAW_WRITE_DIRECT} from {TUNED.direct_write_buffer_bytes >> 20} MiB buffers on {DIRECT_WRITERS} threads "
                "(ceiling)"] = functools.partial(write_raw, direct=True)
 B1_METHODS = {**SYNC_SAVES, **RAW_WRITES}  # B1 times the ceilings in the same rotation as the saves
 
@@ -134,8 +137,8 @@ class AsyncMethod:
 
     def __init__(self, b: Bench, kind: str):
         self.b, self.kind = b, kind
-        self.saver = (AsyncSaver(group=b.fsdpkit_async_group, background_staging=kind == FSDPKIT_ASYNC_BG)
-                      if kind.startswith(FSDPKIT_ASYNC) else None)
+        self.saver = (AsyncSaver(group=b.fsdpkit_async_group, background_staging=kind == OUR_ASYNC_BG)
+                      if kind.startswith(OUR_ASYNC) else None)
         self.stager = (DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
                                                     use_async_staging=False, use_non_blocking_copy=False))
                        if kind == DCP_ASYNC_STAGER else None)
@@ -187,8 +190,8 @@ class AsyncMethod:
             self.stager.close()
 
 
-ASYNC_KINDS = (FSDPKIT_ASYNC, FSDPKIT_ASYNC_BG, DCP_ASYNC, DCP_ASYNC_STAGER)
-FIRST_REPORTED = (FSDPKIT_ASYNC, FSDPKIT_ASYNC_BG, DCP_ASYNC_STAGER)  # they allocate a buffer once
+ASYNC_KINDS = (OUR_ASYNC, OUR_ASYNC_BG, DCP_ASYNC, DCP_ASYNC_STAGER)
+FIRST_REPORTED = (OUR_ASYNC, OUR_ASYNC_BG, DCP_ASYNC_STAGER)  # they allocate a buffer once
 
 
 # -- loads -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The whole-resume and scaling phases of bench/checkpoint.py (run under torchrun by it).
 
 Whole resume (phase "resume"): a fresh torchrun launch that resumes from a checkpoint as a user's
-run does, timed from the orchestrator's launch of torchrun (FSDPKIT_BENCH_T0, wall clock, the
+run does, timed from the orchestrator's launch of torchrun (BENCH_T0, wall clock, the
 same host) until the first training step after the resume returned on every rank:
 
 - fsdpkit: `resolve_checkpoint("auto")` (the newest committed checkpoint) +
@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from checkpoint_common import (
     DCP_SYNC,
     FSDPKIT,
-    FSDPKIT_SYNC,
+    OUR_SYNC,
     PLAIN,
     RESUME_METHODS,
     T0_ENV,
@@ -148,7 +148,7 @@ def bench_scale(b: Bench, root: Path, keep: Path, runs: int) -> dict[str, Any]:
     at `keep`. With an odd `runs`, one method is first in one pair more: at 2 GiB this VM's disk
     alternated slow and fast writes (2.2-2.8 s vs 1.0-1.3 s, whichever method wrote), so 5 runs gave
     fsdpkit 3 slow saves and dcp.save 2; the default is even."""
-    methods = {FSDPKIT_SYNC: lambda path: save_fsdpkit(b, path), DCP_SYNC: lambda path: save_dcp(b, path)}
+    methods = {OUR_SYNC: lambda path: save_fsdpkit(b, path), DCP_SYNC: lambda path: save_dcp(b, path)}
     times: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, list[float]] = {m: [] for m in methods}
     names = list(methods)

@@ -12,11 +12,11 @@ from checkpoint_common import (
     DCP_LOAD,
     DCP_SYNC,
     FSDPKIT,
-    FSDPKIT_ASYNC,
-    FSDPKIT_ASYNC_BG,
-    FSDPKIT_LOAD,
-    FSDPKIT_LOAD_VERIFY,
-    FSDPKIT_SYNC,
+    OUR_ASYNC,
+    OUR_ASYNC_BG,
+    OUR_LOAD,
+    OUR_LOAD_VERIFY,
+    OUR_SYNC,
     PLAIN,
     RAW_READ,
     RAW_WRITE,
@@ -72,7 +72,7 @@ def b1_rows(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, l
     for name, t in med.items():
         gbps = total / t / 1e9
         lines.append(f"| {size} | {name} | {t:.2f} | {min_max(b1['seconds'][name])} | {gbps:.2f} | "
-                     f"{gbps / disk:.2f} ({gbps / one:.2f}) | {t / med[DCP_SYNC]:.2f} | {t / med[FSDPKIT_SYNC]:.2f} |")
+                     f"{gbps / disk:.2f} ({gbps / one:.2f}) | {t / med[DCP_SYNC]:.2f} | {t / med[OUR_SYNC]:.2f} |")
     timings = [t for t in b1["fsdpkit_manifest_timings"] if "hash_cpu_s" in t]
     if timings:
         m = {k: _median([t[k] for t in timings]) for k in timings[0]}
@@ -81,7 +81,7 @@ def b1_rows(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, l
                      f"{m['hash_s']:.2f} s ({m['hash_cpu_s']:.2f} s CPU), waited for after the write "
                      f"{m['hash_wait_s'] * 1e3:.0f} ms, summed over ranks {m['hash_reduce_s'] * 1e3:.0f} ms; "
                      f"whole save in the manifest {m['total_s']:.2f} s")
-    gbps = total / med[FSDPKIT_SYNC] / 1e9
+    gbps = total / med[OUR_SYNC] / 1e9
     others = f"the ceilings measured before the benchmarks: {n} streams {disk:.2f}: {gbps / disk:.2f}, 1 stream {one:.2f}: {gbps / one:.2f}"
     raws = {name: total / t / 1e9 for name, t in med.items()
             if name == RAW_WRITE or name.startswith((RAW_WRITE_WB, RAW_WRITE_DIRECT))}
@@ -97,12 +97,12 @@ def b1_rows(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, l
         _target(targets, f"B1 fsdpkit sync durable GB/s / disk write+fsync GB/s ({n} streams at once, as {n} ranks)",
                 size, gbps / disk, ">= 0.8", gbps / disk >= 0.8, f"{gbps:.2f} / {disk:.2f} = {gbps / disk:.2f} "
                 f"(1-stream ceiling {one:.2f}: {gbps / one:.2f})")
-    r = med[FSDPKIT_SYNC] / med[DCP_SYNC]
+    r = med[OUR_SYNC] / med[DCP_SYNC]
     _target(targets, "B1 fsdpkit sync time / dcp.save time", size, r, "<= 1.05", r <= 1.05,
-            f"{med[FSDPKIT_SYNC]:.2f} s / {med[DCP_SYNC]:.2f} s = {r:.2f}")
-    r = med[TORCH_SYNC] / med[FSDPKIT_SYNC]
+            f"{med[OUR_SYNC]:.2f} s / {med[DCP_SYNC]:.2f} s = {r:.2f}")
+    r = med[TORCH_SYNC] / med[OUR_SYNC]
     _target(targets, "B1 torch.save recipe time / fsdpkit sync time", size, r, "> 1 (fsdpkit faster)", r > 1,
-            f"{med[TORCH_SYNC]:.2f} s / {med[FSDPKIT_SYNC]:.2f} s = {r:.2f}")
+            f"{med[TORCH_SYNC]:.2f} s / {med[OUR_SYNC]:.2f} s = {r:.2f}")
 
 
 def memcpy_ceiling_gbps(c: dict[str, Any], *, together: bool = False) -> float:
@@ -146,17 +146,17 @@ def b2_rows(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, l
         lines.append(f"| {size} | {name} | {_f(first and first * 1e3, '.0f')} | {stall * 1e3:.0f} | "
                      f"{stall / copy_s:.2f} | {sync_s / stall:.1f} | {_f(s['durable_median_s'])} | "
                      f"{_f(s['first_durable_s'])} | {_f(s['step_slowdown'])} ({s['in_flight_steps']} steps) |")
-    for kind in (FSDPKIT_ASYNC, FSDPKIT_ASYNC_BG):
+    for kind in (OUR_ASYNC, OUR_ASYNC_BG):
         if kind not in b2["summary"]:
             continue
         s = b2["summary"][kind]
-        which = "fsdpkit async" + (" (background staging: call + next optimizer step's wait)" if kind != FSDPKIT_ASYNC else "")
+        which = "fsdpkit async" + (" (background staging: call + next optimizer step's wait)" if kind != OUR_ASYNC else "")
         x = s["stall_median_s"] / copy_s
         _target(targets, f"B2 {which} stall / memcpy time of per-rank state", size, x, "<= 1.3", x <= 1.3,
                 f"{s['stall_median_s'] * 1e3:.0f} ms / {copy_s * 1e3:.0f} ms ({how}) = {x:.2f} "
                 f"(first save {s['first_stall_s'] * 1e3:.0f} ms)")
         x = sync_s / s["stall_median_s"]
-        bound = "" if kind != FSDPKIT_ASYNC else (f" (a stall that copies the state takes about its memcpy time: "
+        bound = "" if kind != OUR_ASYNC else (f" (a stall that copies the state takes about its memcpy time: "
                                                    f"sync / memcpy is {sync_s / copy_s:.1f} here)")
         _target(targets, f"B2 fsdpkit sync save time / {which} stall", size, x, ">= 20", x >= 20,
                 f"{sync_s:.2f} s / {s['stall_median_s'] * 1e3:.0f} ms = {x:.1f}{bound}")
@@ -174,11 +174,11 @@ def b3_rows(size: str, main: dict[str, Any], targets: list, lines: list) -> None
                      f"{kept:.0f} |")
         worst[name] = foot
     s_mib = per_rank / MiB
-    foot = worst[FSDPKIT_SYNC]
+    foot = worst[OUR_SYNC]
     limit = 1.1 * s_mib + 256
     _target(targets, "B3 fsdpkit sync: peak RSS - RSS before the model (MiB)", size, foot,
             f"<= 1.1 S + 256 = {limit:.0f}", foot <= limit, f"{foot:.0f} MiB = {foot / s_mib:.2f} S")
-    foot = max(v for k, v in worst.items() if k.startswith(FSDPKIT_ASYNC))
+    foot = max(v for k, v in worst.items() if k.startswith(OUR_ASYNC))
     # what training holds with no saver at all: RSS before a dcp.save, per rank (the model, optimizer
     # state and FSDP2's own buffers), the baseline of what a save adds
     held = [r["before"] for r in main["B3"]["methods"][DCP_SYNC][0]["per_rank"]]
@@ -186,7 +186,7 @@ def b3_rows(size: str, main: dict[str, Any], targets: list, lines: list) -> None
     _target(targets, "B3 fsdpkit async (worst of first/reused): peak RSS - RSS before the model (MiB)", size, foot,
             f"<= 2.1 S = {2.1 * s_mib:.0f}", foot <= 2.1 * s_mib,
             f"{foot:.0f} MiB = {foot / s_mib:.2f} S (training alone holds {held_s:.0f} MiB = {held_s / s_mib:.2f} S)")
-    added = max(r["peak"] - h for name, runs in main["B3"]["methods"].items() if name.startswith(FSDPKIT_ASYNC)
+    added = max(r["peak"] - h for name, runs in main["B3"]["methods"].items() if name.startswith(OUR_ASYNC)
                 for run in runs for r, h in zip(run["per_rank"], held, strict=True)) / MiB
     _target(targets, "B3 fsdpkit async (worst of first/reused): what saving adds, peak RSS - RSS of training "
             "alone (MiB)", size, added, f"<= 1.1 S = {1.1 * s_mib:.0f}", added <= 1.1 * s_mib,
@@ -200,19 +200,19 @@ def load_rows(size: str, per: dict[str, Any], targets: list, lines: list) -> Non
         if b is None:
             continue
         m = b["median_s"]
-        rel = f"{m[FSDPKIT_LOAD] / same['median_s'][FSDPKIT_LOAD]:.2f}" if same else "n/a"
-        rel_v = (f"{m[FSDPKIT_LOAD_VERIFY] / same['median_s'][FSDPKIT_LOAD_VERIFY]:.2f}" if same else "n/a")
-        raw = f"{m[RAW_READ]:.2f} ({m[FSDPKIT_LOAD] / m[RAW_READ]:.2f}×)" if RAW_READ in m else "-"
-        lines.append(f"| {size} | {ranks} | {m[FSDPKIT_LOAD]:.2f} | {m[FSDPKIT_LOAD_VERIFY]:.2f} "
+        rel = f"{m[OUR_LOAD] / same['median_s'][OUR_LOAD]:.2f}" if same else "n/a"
+        rel_v = (f"{m[OUR_LOAD_VERIFY] / same['median_s'][OUR_LOAD_VERIFY]:.2f}" if same else "n/a")
+        raw = f"{m[RAW_READ]:.2f} ({m[OUR_LOAD] / m[RAW_READ]:.2f}×)" if RAW_READ in m else "-"
+        lines.append(f"| {size} | {ranks} | {m[OUR_LOAD]:.2f} | {m[OUR_LOAD_VERIFY]:.2f} "
                      f"(verify {_f(b['verify_part_median_s'])}) | {m[DCP_LOAD]:.2f} | {raw} | {rel} | {rel_v} |")
         if same and ranks != "2":
-            x = m[FSDPKIT_LOAD] / same["median_s"][FSDPKIT_LOAD]
+            x = m[OUR_LOAD] / same["median_s"][OUR_LOAD]
             plain = m[DCP_LOAD] / same["median_s"][DCP_LOAD]
             _target(targets, f"B5 load on {ranks} rank(s) / load on 2 ranks (fsdpkit, no verify)", size, x,
-                    "<= 1.2", x <= 1.2, f"{m[FSDPKIT_LOAD]:.2f} s / {same['median_s'][FSDPKIT_LOAD]:.2f} s = {x:.2f} "
+                    "<= 1.2", x <= 1.2, f"{m[OUR_LOAD]:.2f} s / {same['median_s'][OUR_LOAD]:.2f} s = {x:.2f} "
                     f"(dcp.load the same: {plain:.2f})")
             if RAW_READ in m and RAW_READ in same["median_s"]:  # each load against the disk at its own moment
-                here, there = m[FSDPKIT_LOAD] / m[RAW_READ], same["median_s"][FSDPKIT_LOAD] / same["median_s"][RAW_READ]
+                here, there = m[OUR_LOAD] / m[RAW_READ], same["median_s"][OUR_LOAD] / same["median_s"][RAW_READ]
                 _target(targets, f"B5 load on {ranks} rank(s) / load on 2 ranks, each over the raw read of the same "
                         "bytes in its own rotation", size, here / there, "<= 1.2", here / there <= 1.2,
                         f"{here:.2f}× / {there:.2f}× = {here / there:.2f} (raw reads {m[RAW_READ]:.2f} s on {ranks} rank(s), "
@@ -244,7 +244,7 @@ def b6_rows(g: dict[str, Any], label: str, targets: list, lines: list) -> None:
                      f"{r['saves_per_run']} | {r['stall_median_s'] * 1e3:.0f} | {r['drain_median_s']:.2f} | "
                      f"{extra} | {gil} | {bg} |")
     dcp = b6["dcp.async_save"]["overhead_pct"]
-    for mode in (FSDPKIT_ASYNC, FSDPKIT_ASYNC_BG):
+    for mode in (OUR_ASYNC, OUR_ASYNC_BG):
         if mode not in b6:
             continue
         over, name = b6[mode]["overhead_pct"], mode.removeprefix("fsdpkit AsyncSaver").removeprefix(", ")

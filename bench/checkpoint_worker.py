@@ -26,9 +26,9 @@ import torch.distributed as tdist
 
 from checkpoint_common import (
     DCP_LOAD,
-    FSDPKIT_LOAD,
-    FSDPKIT_LOAD_VERIFY,
-    FSDPKIT_SYNC,
+    OUR_LOAD,
+    OUR_LOAD_VERIFY,
+    OUR_SYNC,
     RAW_READ,
 )
 from checkpoint_goodput import bench_b6
@@ -76,7 +76,7 @@ def bench_b1(b: Bench, root: Path, runs: int) -> dict[str, Any]:
             path = root / f"b1_{r}"
             out, dt = timed(lambda: B1_METHODS[name](b, path), b.sync_group)  # noqa: B023 - called at once
             times[name].append(dt)
-            if name == FSDPKIT_SYNC and b.rank == 0:
+            if name == OUR_SYNC and b.rank == 0:
                 fsdpkit_timings.append(out["timings"])
             remove(path, b.sync_group)
         log(f"B1 run {r + 1}/{runs}: " + ", ".join(f"{n} {times[n][-1]:.2f} s" for n in names))
@@ -224,9 +224,9 @@ def bench_load(b: Bench, path: Path, runs: int) -> dict[str, Any]:
     read of the same bytes on as many ranks in the same rotation: this disk's speed drifts by up to
     2x over minutes, and B5 compares loads timed in different launches."""
     variants: dict[str, Callable[[], Any]] = {
-        FSDPKIT_LOAD: lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group,
+        OUR_LOAD: lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group,
                                               verify=False),
-        FSDPKIT_LOAD_VERIFY: lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group,
+        OUR_LOAD_VERIFY: lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group,
                                                      verify=True),
         DCP_LOAD: lambda: load_dcp_plain(b, path),
         RAW_READ: lambda: read_raw(b, path),
@@ -269,7 +269,7 @@ def run_phase(args) -> None:
             res["B1"] = bench_b1(b, root, args.runs)
         if "B2" in only:
             if "B1" in res:
-                sync_s = res["B1"]["median_s"][FSDPKIT_SYNC]
+                sync_s = res["B1"]["median_s"][OUR_SYNC]
             else:
                 _, sync_s = timed(lambda: save_fsdpkit(b, root), b.sync_group)
                 remove(root, b.sync_group)

@@ -9,14 +9,14 @@
    writing each 16 MiB, as dd), through the page cache (in fsdpkit's pieces: a new descriptor per
    16 MiB read, 256 KiB write calls; fsdpkit.checkpoint.page_cache) and with O_DIRECT; and in the rotation with
    the runs (drift hits both alike), the checkpoint's own files read, written and copied with the
-   export's own parallelism (READ_AHEAD read threads, WRITE_THREADS write threads, O_DIRECT). Each
+   export's own parallelism (FSDPKIT_EXPORT_READ_AHEAD read threads, FSDPKIT_EXPORT_WRITE_THREADS write threads, O_DIRECT). Each
    ceiling is the fastest of these. Where reads and writes share the disk's budget, a copy moves
    about as many bytes per second (reads and writes together) as reading or writing alone, and no
    export beats the copy: the ratio to it is shown beside the target's, with the copy's reads +
    writes per second over the faster of the two alone. Code: bench/export_ceilings.py.
 3. Runs each variant `--reps` times, in its own subprocess (peak RSS = the child's ru_maxrss),
    the checkpoint evicted from the page cache before every run, outputs fsynced:
-     fsdpkit        export_checkpoint(...) fp32 (byte-range reader, READ_AHEAD read threads,
+     fsdpkit        export_checkpoint(...) fp32 (byte-range reader, FSDPKIT_EXPORT_READ_AHEAD read threads,
                     O_DIRECT reads and writes)
      fsdpkit-bf16   the same with dtype=bf16
      fsdpkit-page-cache  fsdpkit with O_DIRECT off (FSDPKIT_EXPORT_DIRECT_IO=0): reads and writes
@@ -54,7 +54,7 @@ import time
 from pathlib import Path
 
 from export_ceilings import direct_ok, disk_ceilings, evict, parallel_seconds
-from fsdpkit.export.tunables import READ_AHEAD, WRITE_THREADS
+from fsdpkit import tunables
 
 RESULTS = Path(__file__).parent / "results" / "export.json"
 HIDDEN, INTERMEDIATE, VOCAB, KV = 2048, 5632, 32000, 512
@@ -292,6 +292,7 @@ def main() -> None:
         data_bytes = sum(p.stat().st_size for p in sources)
         raw: dict[str, list[float]] = {"read": [], "write": [], "copy": []}
         direct = direct_ok(work)
+        tuned = tunables.current()
         for rep in range(args.reps):  # interleaved, so that drift in the disk hits every variant alike
             for name in runs:
                 r = run_child(name, ckpt, work / f"out_{name}")
@@ -300,11 +301,12 @@ def main() -> None:
                                                              if r["ok"] else r["error"]), flush=True)
             for kind, src, dst in (("read", sources, None), ("write", [], work / "raw_write.bin"),
                                    ("copy", sources, work / "raw_copy.bin")):
-                seconds = parallel_seconds(src, dst, nbytes=data_bytes, readers=READ_AHEAD, writers=WRITE_THREADS, direct=direct)
+                seconds = parallel_seconds(src, dst, nbytes=data_bytes, readers=tuned.export_read_ahead,
+                                           writers=tuned.export_write_threads, direct=direct)
                 raw[kind].append(data_bytes / seconds / 1e9)
             print(f"  run {rep + 1}/{args.reps} raw at the export's parallelism: "
                   + ", ".join(f"{k} {v[-1]:.2f} GB/s" for k, v in raw.items()), flush=True)
-        disk["parallel"] = {"readers": READ_AHEAD, "writers": WRITE_THREADS, "direct": direct, "bytes": data_bytes,
+        disk["parallel"] = {"readers": tuned.export_read_ahead, "writers": tuned.export_write_threads, "direct": direct, "bytes": data_bytes,
                             "runs": raw, "medians": {k: statistics.median(v) for k, v in raw.items()}}
         for kind, key in (("write", "write_fsync_gb_s"), ("read", "read_cold_gb_s"), ("copy", "copy_gb_s")):
             disk[key] = max(disk[key], disk["parallel"]["medians"][kind])  # the faster way is the ceiling

@@ -14,13 +14,9 @@ import threading
 import time
 from pathlib import Path
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.direct_io import pwrite_all
-from fsdpkit.checkpoint.page_cache import (
-    WRITE_PIECE_BYTES,
-    SequentialReader,
-    reopen,
-    write_in_pieces,
-)
+from fsdpkit.checkpoint.page_cache import SequentialReader, reopen, write_in_pieces
 
 MIB = 2**20
 
@@ -205,7 +201,7 @@ def parallel_seconds(sources: list[Path], dst: Path | None, *, nbytes: int, read
                     return
                 buf, n, offset = free.get(), block, job[2]
             view = memoryview(buf)[: -(-n // 4096) * 4096]  # O_DIRECT writes whole 4 KiB blocks
-            pwrite_all(out, view, offset, piece=0 if direct else WRITE_PIECE_BYTES)
+            pwrite_all(out, view, offset, piece=0 if direct else tunables.current().write_piece_bytes)
             free.put(buf)
 
     t0 = time.perf_counter()

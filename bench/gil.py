@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from fsdpkit.checkpoint.hashing import NATIVE_ROW_HASH, READ_CHUNK_BYTES, _rows_hash
+from fsdpkit.checkpoint.hashing import READ_CHUNK_BYTES, _rows_hash, native_row_hash
 
 RESULTS = Path(__file__).parent / "results" / "gil.json"
 OP_SIZE = 256  # a 256 x 256 in-place multiply: ~10 us, the size of a small op or a kernel launch
@@ -66,7 +66,7 @@ def main() -> None:
     torch.set_num_threads(1)
     cols = args.row_kib * 256
     state = torch.randn(args.mib * 2**20 // (cols * 4), cols)
-    if not NATIVE_ROW_HASH:
+    if not native_row_hash():
         raise SystemExit("fsdpkit's C row hash is not built (or FSDPKIT_PYTHON_ROW_HASH=1): reinstall "
                          "fsdpkit where a C compiler is found to measure it")
     hash_s = statistics.median(window(lambda: _rows_hash(state, 0, native=True))[1] for _ in range(3))

@@ -52,10 +52,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint import Checkpointer
 from fsdpkit.checkpoint.dcp_storage import hashing_writer
 from fsdpkit.checkpoint.direct_io import DirectWriter
-from fsdpkit.checkpoint.hashing import DIRECT_BUFFER_BYTES, DIRECT_WRITERS
+from fsdpkit.checkpoint.hashing import DIRECT_WRITERS
 from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.writeback import WriteBack
 
@@ -124,7 +125,8 @@ def ceilings(nbytes: int, runs: int, scratch: Path, device: torch.device) -> dic
         (scratch / "ceiling.bin").unlink()
 
     def write_direct() -> None:  # as fsdpkit's checkpoint writer does where O_DIRECT is taken
-        writer = DirectWriter(scratch / "ceiling.bin", buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS)
+        writer = DirectWriter(scratch / "ceiling.bin", buffer_bytes=tunables.current().direct_write_buffer_bytes,
+                              writers=DIRECT_WRITERS)
         try:
             writer.write(block)
             writer.close()

@@ -14,7 +14,7 @@ Each run is a fresh `torchrun` launch of 2 gloo CPU ranks (OMP_NUM_THREADS=1) of
   model on each), fully_shard per decoder layer then the root, AdamW (foreach), one step on a batch
   of the same shape (micro batch 1 x seq_len per rank, cross-entropy, clip_grad_norm_ 1.0).
 
-Clock: the parent writes time.time() into FSDPKIT_BENCH_T0 just before it starts torchrun; each
+Clock: the parent writes time.time() into BENCH_T0 just before it starts torchrun; each
 rank's "launch -> first step" is time.time() at the end of its first optimizer step minus that
 (so torchrun's start, the interpreter, the imports and the process group are all counted), and
 the run's figure is the max over ranks. Each rank also records its phases (imports, process group,
@@ -59,7 +59,7 @@ import torch  # noqa: E402
 HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "hf_load.json"
 CACHE = HERE / ".cache" / "hf_load"
-T0_ENV = "FSDPKIT_BENCH_T0"
+T0_ENV = "BENCH_T0"
 CHUNK = 16 * 2**20
 MiB = 2**20
 SEQ_LEN = 128

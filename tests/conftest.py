@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -66,6 +68,16 @@ def s3():
 
     with s3_server() as server:
         yield server
+
+
+@pytest.fixture
+def tune() -> Iterator[Callable[..., object]]:
+    """`tune(write_piece_bytes=4, ...)`: fsdpkit.tunables overridden from then until the test ends
+    (calls nest; the environment is not touched)."""
+    from fsdpkit import tunables
+
+    with ExitStack() as stack:
+        yield lambda **values: stack.enter_context(tunables.override(**values))
 
 
 def opens_o_direct(folder: Path) -> bool:

@@ -21,7 +21,7 @@ from conftest import ROOT, fsdpkit  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 OVERRIDES = ["experiment=demo", "train.max_steps=8", "checkpoint.every_steps=4", "train.eval_every=0"]
-COUNT = int(os.environ.get("FSDPKIT_FUZZ_COUNT", "64"))
+COUNT = int(os.environ.get("FUZZ_COUNT", "64"))  # more cases: FUZZ_COUNT=1000 pytest ...
 
 
 def test_corruption_fuzz(tmp_path):

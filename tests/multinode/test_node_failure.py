@@ -30,8 +30,8 @@ ARGS = ["deterministic=true", f"train.max_steps={STEPS}", "train.global_batch_si
         "train.progress=false", "train.eval_every=0", "model.vocab_size=1001",
         "strategy.sharding_strategy=HYBRID_SHARD", "strategy.hsdp_shard_size=2",
         f"checkpoint.every_steps={EVERY}", f"checkpoint.timeout_s={SAVE_TIMEOUT_S}",
-        f"checkpoint.exception_timeout_s={EXCEPTION_TIMEOUT_S}"]
-ENV = {"FSDPKIT_PG_TIMEOUT_S": str(PG_TIMEOUT_S)}
+        f"checkpoint.exception_timeout_s={EXCEPTION_TIMEOUT_S}", f"dist.timeout_s={PG_TIMEOUT_S}"]
+ENV: dict[str, str] = {}  # added to every launcher's environment
 
 
 def last_step(run: Path) -> int:

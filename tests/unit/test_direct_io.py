@@ -74,9 +74,9 @@ def test_reader_reads_any_range(tmp_path):
         reader.close()
 
 
-def test_refused_direct_io_falls_back_to_ordinary_io(tmp_path, monkeypatch):
+def test_refused_direct_io_falls_back_to_ordinary_io(tmp_path, monkeypatch, tune):
     """A file system that opens with O_DIRECT but refuses the I/O (EINVAL) still gets every byte."""
-    monkeypatch.setattr(direct_io, "ENABLED", True)
+    tune(direct_io=True)
     real_pwrite, real_preadv = os.pwrite, os.preadv
     direct_fds: set[int] = set()
     real_open_direct = direct_io.open_direct
@@ -113,8 +113,8 @@ def test_refused_direct_io_falls_back_to_ordinary_io(tmp_path, monkeypatch):
         reader.close()
 
 
-def test_switched_off_uses_ordinary_io(tmp_path, monkeypatch):
-    monkeypatch.setattr(direct_io, "ENABLED", False)
+def test_switched_off_uses_ordinary_io(tmp_path, tune):
+    tune(direct_io=False)
     writer = DirectWriter(tmp_path / "out.bin", buffer_bytes=ALIGN, writers=2)
     assert writer._direct is None
     writer.write(_bytes(ALIGN + 1))

@@ -43,9 +43,9 @@ from fsdpkit.export.inspection import describe_chunks, inspect_checkpoint
 from fsdpkit.export.keys import clean_name, model_weights
 from fsdpkit.export.safetensors_io import StreamingSafetensorsWriter, plan_shards, read_header
 from fsdpkit.export.sources import DcpLoadSource, DcpSource, open_checkpoint
-from fsdpkit.export.tunables import parse_size
 from fsdpkit.export.verification import verify_checkpoint
 from fsdpkit.model import build_model
+from fsdpkit.tunables import parse_size
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 SRC = Path(__file__).resolve().parents[2] / "src" / "fsdpkit"

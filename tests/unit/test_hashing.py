@@ -43,19 +43,18 @@ def test_unknown_algorithm_is_an_error():
 
 
 @pytest.mark.parametrize("piece", [0, 256 << 10])
-def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes(monkeypatch, piece):
+def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes(piece, tune):
     """Writes under and over the overlap threshold (the latter hashed on another thread while
     written), and a short write, give xxh3-64 of exactly the bytes the file holds; with pieces
-    (page_cache.WRITE_PIECE_BYTES), no write call is larger than a piece, and a short piece ends
+    (FSDPKIT_WRITE_PIECE_BYTES), no write call is larger than a piece, and a short piece ends
     the write there."""
     import io
 
     import xxhash
 
-    from fsdpkit.checkpoint import page_cache
     from fsdpkit.checkpoint.hashing import _HashingStream
 
-    monkeypatch.setattr(page_cache, "WRITE_PIECE_BYTES", piece)
+    tune(write_piece_bytes=piece)
 
     class Recording(io.BytesIO):
         def __init__(self):
@@ -92,8 +91,8 @@ def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes(m
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here (macOS): no write-back advice")
-def test_file_stream_starts_write_back_as_it_writes(tmp_path, monkeypatch):
-    """A file with a descriptor has its write-back started every WRITEBACK_BYTES, over ranges that
+def test_file_stream_starts_write_back_as_it_writes(tmp_path, monkeypatch, tune):
+    """A file with a descriptor has its write-back started every FSDPKIT_WRITEBACK_BYTES, over ranges that
     tile what was written; a stream without one (object storage) and a file system that refuses
     the advice still write and hash every byte."""
     import io
@@ -102,7 +101,7 @@ def test_file_stream_starts_write_back_as_it_writes(tmp_path, monkeypatch):
 
     from fsdpkit.checkpoint import hashing
 
-    monkeypatch.setattr(hashing, "WRITEBACK_BYTES", 3 << 20)
+    tune(writeback_bytes=3 << 20)
     advice: list[tuple[int, int, int]] = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, how: advice.append((offset, length, how)))
     chunk = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8).numpy()
@@ -174,7 +173,7 @@ def test_native_row_hash_equals_the_python_loop():
 
 
 @pytest.mark.parametrize("native", ["fused", "an older build", "python"])
-def test_hash_part_with_copy_to_copies_in_the_same_pass_and_hashes_the_same(native, monkeypatch):
+def test_hash_part_with_copy_to_copies_in_the_same_pass_and_hashes_the_same(native, monkeypatch, tune):
     """hash_part(copy_to=...) (the staging copy of background staging) gives the share hash_part
     gives, and `copy_to` holds the bytes after it: rows of every xxh3 size class, rows longer
     than the C copy's 32 KiB piece, destinations not 16-byte aligned, both algorithms, and the
@@ -190,7 +189,7 @@ def test_hash_part_with_copy_to_copies_in_the_same_pass_and_hashes_the_same(nati
         real = hashing._native_copy_rows_sum
         assert real is not None, "the C extension was built without copy_rows_sum"
         monkeypatch.setattr(hashing, "_native_copy_rows_sum", lambda *a: fused_calls.append(a[2]) or real(*a))
-    monkeypatch.setattr(hashing, "NATIVE_ROW_HASH", native != "python")
+    tune(python_row_hash=native == "python")
     gen = torch.Generator().manual_seed(5)
     shapes = [(7, 1), (9, 5), (3, 60), (4, 1000), (3, 8192 + 3), (2, 20000), (6,), ()]
     for shape in shapes:
@@ -236,7 +235,7 @@ def test_native_row_hash_releases_the_gil():
     pytest.fail(f"no other thread ran during a {1e3 * (t1 - t0):.0f} ms call: the GIL was held")
 
 
-def test_local_checkpoint_files_are_written_with_o_direct(tmp_path, monkeypatch):
+def test_local_checkpoint_files_are_written_with_o_direct(tmp_path, monkeypatch, tune):
     """A local file goes through O_DIRECT in whole aligned blocks, only its last partial block
     through the ordinary descriptor; `tell` counts what was written, `fileno` (DCP's fsync) first
     writes what is staged, and bytes after it still land in order; the checksum is the file's."""
@@ -247,7 +246,7 @@ def test_local_checkpoint_files_are_written_with_o_direct(tmp_path, monkeypatch)
 
     if not opens_o_direct(tmp_path):
         pytest.skip("this file system takes no O_DIRECT")
-    monkeypatch.setattr(hashing, "DIRECT_BUFFER_BYTES", 16 * ALIGN)  # many blocks per large write
+    tune(direct_write_buffer_bytes=16 * ALIGN)  # many blocks per large write
     calls: list[tuple[int, int]] = []
     real_pwrite = os.pwrite
     monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: calls.append((fd, len(memoryview(data).cast("B"))))
@@ -275,7 +274,7 @@ def test_local_checkpoint_files_are_written_with_o_direct(tmp_path, monkeypatch)
     assert sum(n for f, n in calls if f != direct_fd) == before_fileno % ALIGN + len(pieces[-1])
 
 
-def test_dcp_save_with_o_direct_writes_the_same_files_as_through_the_page_cache(tmp_path, monkeypatch):
+def test_dcp_save_with_o_direct_writes_the_same_files_as_through_the_page_cache(tmp_path, monkeypatch, tune):
     """The same state saved by DCP through fsdpkit's writer with and without O_DIRECT: byte-identical
     files and checksums, and the O_DIRECT checkpoint loads back to the same tensors."""
     import torch.distributed.checkpoint as dcp
@@ -285,7 +284,7 @@ def test_dcp_save_with_o_direct_writes_the_same_files_as_through_the_page_cache(
 
     if not opens_o_direct(tmp_path):
         pytest.skip("this file system takes no O_DIRECT")
-    monkeypatch.setattr(hashing, "DIRECT_BUFFER_BYTES", 8 * direct_io.ALIGN)
+    tune(direct_write_buffer_bytes=8 * direct_io.ALIGN)
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(1000, 257, generator=g), "b": torch.randn(3, generator=g),
              "h": torch.randn(40, 40, generator=g).to(torch.bfloat16), "n": torch.tensor(7)}
@@ -299,7 +298,7 @@ def test_dcp_save_with_o_direct_writes_the_same_files_as_through_the_page_cache(
     monkeypatch.setattr(hashing._HashingStream, "__init__", spy)
     files = {}
     for way, enabled in (("direct", True), ("page_cache", False)):
-        monkeypatch.setattr(direct_io, "ENABLED", enabled)
+        tune(direct_io=enabled)
         writer, fs = hashing_writer(tmp_path / way, thread_count=2)
         dcp.save(state, storage_writer=writer, no_dist=True)
         files[way] = fs.files
@@ -314,7 +313,7 @@ def test_dcp_save_with_o_direct_writes_the_same_files_as_through_the_page_cache(
     assert all(torch.equal(back[k], v) for k, v in state.items())
 
 
-def test_a_failed_o_direct_write_fails_the_save_and_records_no_checksum(tmp_path, monkeypatch):
+def test_a_failed_o_direct_write_fails_the_save_and_records_no_checksum(tmp_path, monkeypatch, tune):
     """A full disk under an O_DIRECT write (on a writer thread) is raised to DCP's save, and the
     file gets no checksum."""
     import errno
@@ -322,12 +321,12 @@ def test_a_failed_o_direct_write_fails_the_save_and_records_no_checksum(tmp_path
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from fsdpkit.checkpoint import direct_io, hashing
+    from fsdpkit.checkpoint import direct_io
     from fsdpkit.checkpoint.dcp_storage import hashing_writer
 
     if not opens_o_direct(tmp_path):
         pytest.skip("this file system takes no O_DIRECT")
-    monkeypatch.setattr(hashing, "DIRECT_BUFFER_BYTES", 8 * direct_io.ALIGN)
+    tune(direct_write_buffer_bytes=8 * direct_io.ALIGN)
     direct_fds: set[int] = set()
     real_open_direct, real_pwrite = direct_io.open_direct, os.pwrite
 
@@ -349,7 +348,7 @@ def test_a_failed_o_direct_write_fails_the_save_and_records_no_checksum(tmp_path
     assert "__0_0.distcp" not in fs.files
 
 
-def test_a_failed_write_through_the_page_cache_is_raised_at_fsync_with_the_file_name(tmp_path, monkeypatch):
+def test_a_failed_write_through_the_page_cache_is_raised_at_fsync_with_the_file_name(tmp_path, tune):
     """Where O_DIRECT is off, a write the file refuses (a full disk) is kept and raised when DCP
     asks for the descriptor to fsync (not from inside torch.save, where it would come out as
     torch's "unexpected pos"); the writes after it are dropped, the stream ends closed and the
@@ -359,9 +358,9 @@ def test_a_failed_write_through_the_page_cache_is_raised_at_fsync_with_the_file_
 
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from fsdpkit.checkpoint import direct_io, hashing
+    from fsdpkit.checkpoint import hashing
 
-    monkeypatch.setattr(direct_io, "ENABLED", False)
+    tune(direct_io=False)
 
     class FullDisk(io.RawIOBase):
         def __init__(self, f):

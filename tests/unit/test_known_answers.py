@@ -116,11 +116,11 @@ def native_available() -> bool:
 
 
 @pytest.fixture(params=["native", "python"])
-def row_hash(request, monkeypatch) -> str:
+def row_hash(request, tune) -> str:
     """Both implementations of `xxh3_64-rows`: the C extension and the python-xxhash loop."""
     if request.param == "native" and not native_available():
         pytest.skip("fsdpkit.checkpoint._rowhash is not built here (tests/unit/test_hashing.py says why)")
-    monkeypatch.setattr(hashing, "NATIVE_ROW_HASH", request.param == "native")
+    tune(python_row_hash=request.param == "python")
     return request.param
 
 

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from fsdpkit.checkpoint import page_cache
 from fsdpkit.checkpoint.page_cache import SequentialReader, write_in_pieces
 
 
@@ -31,8 +30,8 @@ def _spy_reopens(monkeypatch) -> list[str]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="no /proc here: one descriptor reads it all")
-def test_a_file_read_to_its_end_gets_a_new_descriptor_every_restart_bytes_even_once_its_path_is_replaced(tmp_path, monkeypatch):
-    monkeypatch.setattr(page_cache, "READ_RESTART_BYTES", 3 * 4096)
+def test_a_file_read_to_its_end_gets_a_new_descriptor_every_restart_bytes_even_once_its_path_is_replaced(tmp_path, monkeypatch, tune):
+    tune(read_restart_bytes=3 * 4096)
     data = os.urandom(10 * 4096 + 123)
     path = tmp_path / "f.distcp"
     path.write_bytes(data)
@@ -49,8 +48,8 @@ def test_a_file_read_to_its_end_gets_a_new_descriptor_every_restart_bytes_even_o
     assert len(reopens) == len(data) // (3 * 4096)  # a new descriptor at 12 KiB, 24 KiB, 36 KiB
 
 
-def test_without_proc_one_descriptor_reads_the_whole_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(page_cache, "READ_RESTART_BYTES", 4096)
+def test_without_proc_one_descriptor_reads_the_whole_file(tmp_path, monkeypatch, tune):
+    tune(read_restart_bytes=4096)
     data = os.urandom(5 * 4096)
     path = tmp_path / "f.distcp"
     path.write_bytes(data)
@@ -67,8 +66,8 @@ def test_without_proc_one_descriptor_reads_the_whole_file(tmp_path, monkeypatch)
         assert reader._restart == 0  # gave up reopening after the first try
 
 
-def test_restart_off_reads_through_one_descriptor(tmp_path, monkeypatch):
-    monkeypatch.setattr(page_cache, "READ_RESTART_BYTES", 0)
+def test_restart_off_reads_through_one_descriptor(tmp_path, monkeypatch, tune):
+    tune(read_restart_bytes=0)
     data = os.urandom(3 * 4096 + 1)
     path = tmp_path / "f"
     path.write_bytes(data)
@@ -78,8 +77,8 @@ def test_restart_off_reads_through_one_descriptor(tmp_path, monkeypatch):
     assert opened == [str(path)]
 
 
-def test_writes_go_out_in_pieces_and_stop_at_a_short_one(monkeypatch):
-    monkeypatch.setattr(page_cache, "WRITE_PIECE_BYTES", 4)
+def test_writes_go_out_in_pieces_and_stop_at_a_short_one(tune):
+    tune(write_piece_bytes=4)
     calls: list[bytes] = []
     assert write_in_pieces(lambda b: calls.append(bytes(b)), memoryview(b"abcdefghij")) == 10  # None: all taken
     assert calls == [b"abcd", b"efgh", b"ij"]
@@ -87,7 +86,7 @@ def test_writes_go_out_in_pieces_and_stop_at_a_short_one(monkeypatch):
     assert write_in_pieces(lambda b: calls.append(bytes(b)) or (2 if len(calls) == 2 else len(b)),
                            memoryview(b"abcdefghij")) == 6
     assert calls == [b"abcd", b"efgh"]
-    monkeypatch.setattr(page_cache, "WRITE_PIECE_BYTES", 0)
+    tune(write_piece_bytes=0)
     calls.clear()
     assert write_in_pieces(lambda b: calls.append(bytes(b)), memoryview(b"abcdefghij")) == 10
     assert calls == [b"abcdefghij"]

@@ -36,13 +36,10 @@ def test_copy_into_a_reused_buffer_is_exact(threads):
     assert staging.signature(state) != staging.signature(buffer)
 
 
-def test_copy_threads_setting(monkeypatch):
-    monkeypatch.setenv(staging.STAGING_THREADS_ENV, "3")
+def test_copy_threads_setting(monkeypatch, tune):
+    tune(staging_threads=3)
     assert staging.copy_threads() == 3
-    monkeypatch.setenv(staging.STAGING_THREADS_ENV, "two")
-    with pytest.raises(ValueError, match="FSDPKIT_STAGING_THREADS='two' is not a whole number"):
-        staging.copy_threads()
-    monkeypatch.delenv(staging.STAGING_THREADS_ENV)
+    tune(staging_threads=None)  # unset: from the cores and the ranks on this host
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1000")  # more ranks on this host than cores: one thread each
     assert staging.copy_threads() == 1
 

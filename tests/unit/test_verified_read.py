@@ -252,7 +252,7 @@ def test_file_checksum_over_several_read_chunks(tmp_path):
 
 @pytest.fixture
 def large(tmp_path):
-    """Tensors above DIRECT_MIN_BYTES (read straight into their targets) beside small ones."""
+    """Tensors above FSDPKIT_DIRECT_READ_BYTES (read straight into their targets) beside small ones."""
     gen = torch.Generator().manual_seed(2)
     state = {"big": torch.randn(512, 1024, generator=gen), "half": torch.randn(1024, 600, generator=gen).to(torch.bfloat16),
              "small": torch.randn(8, 8, generator=gen), "s": torch.tensor(1.5)}
@@ -361,12 +361,11 @@ def test_predict_tensor_from_the_head_matches_the_zip_directory(tensor):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="no /proc here: one descriptor reads it all")
-def test_whole_files_are_read_through_a_descriptor_renewed_every_restart_bytes(large, monkeypatch):
+def test_whole_files_are_read_through_a_descriptor_renewed_every_restart_bytes(large, monkeypatch, tune):
     """The load's whole-file reads, into targets and into the buffer alike, go through
-    page_cache.SequentialReader (a new descriptor every READ_RESTART_BYTES: see page_cache)."""
-    from fsdpkit.checkpoint import page_cache
+    page_cache.SequentialReader (a new descriptor every FSDPKIT_READ_RESTART_BYTES: see page_cache)."""
 
-    monkeypatch.setattr(page_cache, "READ_RESTART_BYTES", 1 << 20)
+    tune(read_restart_bytes=1 << 20)
     path, state = large
     opened: list[str] = []
     real_open = os.open

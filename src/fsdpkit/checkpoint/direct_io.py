@@ -16,7 +16,7 @@ last partial block of a file is written through an ordinary descriptor.
 Where O_DIRECT is missing (macOS, tmpfs, some network file systems) or refused at the first read or
 write, the same calls fall back to ordinary I/O, in the pieces fsdpkit.checkpoint.page_cache
 describes (reads through a descriptor of their own, writes in 256 KiB calls). FSDPKIT_DIRECT_IO=0
-turns O_DIRECT off everywhere (FSDPKIT_EXPORT_DIRECT_IO=0 for export only).
+turns O_DIRECT off everywhere (FSDPKIT_EXPORT_DIRECT_IO=0 for export only; fsdpkit.tunables).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from fsdpkit.checkpoint import page_cache
+from fsdpkit import tunables
 from fsdpkit.checkpoint.page_cache import reopen
 from fsdpkit.checkpoint.writeback import WriteBack
 
@@ -40,7 +40,12 @@ ALIGN = 4096
 """Offsets, lengths and buffers of O_DIRECT I/O are multiples of this (the page size; every common
 device's logical block size divides it)."""
 
-ENABLED = hasattr(os, "O_DIRECT") and os.environ.get("FSDPKIT_DIRECT_IO", "1") != "0"
+
+
+def enabled() -> bool:
+    """Whether O_DIRECT is tried at all: the platform has it and FSDPKIT_DIRECT_IO is not 0."""
+    return hasattr(os, "O_DIRECT") and tunables.current().direct_io
+
 
 try:
     from fsdpkit.checkpoint._rowhash import stream_copy as _copy
@@ -60,9 +65,9 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
 class _BufferPool:
     """Page-aligned write buffers kept for the next file instead of freed: fresh anonymous memory
     costs a page fault per page (a host fault on the benchmark VM), reused memory costs nothing.
-    Keeps `keep_bytes` at most; a buffer given back beyond that is freed."""
+    Keeps `keep_bytes` at most (None: FSDPKIT_DIRECT_KEEP_BYTES); a buffer given back beyond that is freed."""
 
-    def __init__(self, keep_bytes: int) -> None:
+    def __init__(self, keep_bytes: int | None = None) -> None:
         self._keep = keep_bytes
         self._kept: list[torch.Tensor] = []
         self._lock = threading.Lock()
@@ -77,18 +82,19 @@ class _BufferPool:
 
     def give(self, buf: torch.Tensor) -> None:
         with self._lock:
-            if sum(b.numel() for b in self._kept) + buf.numel() <= self._keep:
+            keep = tunables.current().direct_keep_bytes if self._keep is None else self._keep
+            if sum(b.numel() for b in self._kept) + buf.numel() <= keep:
                 self._kept.append(buf)
 
 
-BUFFERS = _BufferPool(int(os.environ.get("FSDPKIT_DIRECT_KEEP_BYTES", str(64 << 20))))
+BUFFERS = _BufferPool()
 """The process's O_DIRECT write buffers between files (FSDPKIT_DIRECT_KEEP_BYTES, default 64 MiB
 at most stay allocated)."""
 
 
 def open_direct(path: os.PathLike | str, flags: int) -> int | None:
     """`os.open` with O_DIRECT, or None where it is off or the file system refuses it."""
-    if not ENABLED:
+    if not enabled():
         return None
     try:
         return os.open(path, flags | os.O_DIRECT, 0o644)
@@ -254,7 +260,7 @@ class DirectWriter:
                     if not _refused(exc):
                         raise
                     self._refused = True  # this file system takes no O_DIRECT writes: the same bytes, ordinarily
-            pwrite_all(self._fd, view, offset, piece=page_cache.WRITE_PIECE_BYTES)
+            pwrite_all(self._fd, view, offset, piece=tunables.current().write_piece_bytes)
         finally:
             self._free.put(buffer)
 
@@ -265,7 +271,7 @@ class DirectWriter:
         return self._free.get()
 
     def _write_ordinary(self, view) -> None:
-        pwrite_all(self._fd, view, self._position, piece=page_cache.WRITE_PIECE_BYTES)
+        pwrite_all(self._fd, view, self._position, piece=tunables.current().write_piece_bytes)
         self._position += len(view)
         self._writeback.written_to(self._position)  # the final fsync then has little left to do
 

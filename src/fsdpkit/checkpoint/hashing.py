@@ -4,7 +4,7 @@ File checksums are xxh3-64 over every byte written, recorded by a stream wrapper
 DCP's FileSystemWriter, so no second read is needed. The same wrapper writes each local file with
 O_DIRECT from reused buffers (direct_io.DirectWriter: no page-cache copy, and the disk writes while
 the rest is serialised); where O_DIRECT is off or refused, it writes through the page cache and
-starts the write-back as it goes (WRITEBACK_BYTES), so that the fsync at the end waits for little.
+starts the write-back as it goes (FSDPKIT_WRITEBACK_BYTES), so that the fsync at the end waits for little.
 
 Tensor checksums must come out the same for any world size, since a checkpoint saved on 4 ranks
 is verified after loading on 3. FSDP2 shards dim 0, so each row lives whole on one rank; a sum
@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.direct_io import DirectWriter
 from fsdpkit.checkpoint.page_cache import SequentialReader, write_in_pieces
 from fsdpkit.checkpoint.staging import copy_host, local_part
@@ -48,18 +49,16 @@ from fsdpkit.checkpoint.writeback import WriteBack
 HASH_NAME = "xxh3_64"
 ROWS, LINEAR = "xxh3_64-rows", "linear"  # tensor hash algorithms (see above)
 MASK64 = (1 << 64) - 1
-HASH_CHUNK_ELEMS = int(os.environ.get("FSDPKIT_HASH_CHUNK_ELEMS", str(1 << 22)))
 READ_CHUNK_BYTES = 8 << 20
-WRITEBACK_BYTES = int(os.environ.get("FSDPKIT_WRITEBACK_BYTES", str(64 << 20)))
-"""A checkpoint file on a local disk has its write-back started every this many bytes written
-(writeback.WriteBack), instead of all of it in the fsync that ends the file; 0: all in the fsync. The disk then
-writes while the rest is serialised: 2 ranks saving 1 GiB took 0.67 s instead of 0.82 s (a raw
-write of the same bytes: 0.61 s instead of 0.70 s; medians of 8 in one process, alternating, 2-core
-VM; bench/RESULTS.md B1 has a full run's figures)."""
-DIRECT_BUFFER_BYTES = int(os.environ.get("FSDPKIT_DIRECT_WRITE_BUFFER_BYTES", str(8 << 20)))
-"""A local checkpoint file is written with O_DIRECT in blocks of this size, DIRECT_WRITERS at once
-while the next is filled (3 such buffers per file being written, kept for the next save)."""
+# A checkpoint file on a local disk has its write-back started every FSDPKIT_WRITEBACK_BYTES written
+# (writeback.WriteBack) instead of all of it in the fsync that ends the file. The disk then writes
+# while the rest is serialised: 2 ranks saving 1 GiB took 0.67 s instead of 0.82 s with 64 MiB (a
+# raw write of the same bytes: 0.61 s instead of 0.70 s; medians of 8 in one process, alternating,
+# 2-core VM; bench/RESULTS.md B1 has a full run's figures).
 DIRECT_WRITERS = 2
+"""A local checkpoint file is written with O_DIRECT in blocks of FSDPKIT_DIRECT_WRITE_BUFFER_BYTES,
+this many at once while the next is filled (3 such buffers per file being written, kept for the
+next save)."""
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 try:  # built by `pip install` where a C compiler is found (setup.py); optional
@@ -68,7 +67,11 @@ except ImportError:
     _rowhash = None
 _native_rows_sum = getattr(_rowhash, "rows_sum", None)
 _native_copy_rows_sum = getattr(_rowhash, "copy_rows_sum", None)  # absent from a build older than it: copy, then hash
-NATIVE_ROW_HASH = _native_rows_sum is not None and os.environ.get("FSDPKIT_PYTHON_ROW_HASH") != "1"
+
+
+def native_row_hash() -> bool:
+    """Whether `xxh3_64-rows` runs in the C extension: it was built, and FSDPKIT_PYTHON_ROW_HASH is not 1."""
+    return _native_rows_sum is not None and not tunables.current().python_row_hash
 
 
 _overlap_pool: ThreadPoolExecutor | None = None
@@ -102,8 +105,8 @@ class _HashingStream(io.RawIOBase):
     `raw` is a new file, written from its start. Where it is local (`path` given, `raw` has a
     descriptor) and takes O_DIRECT, the bytes go to it through a DirectWriter; `fileno()`, which
     DCP calls to fsync the file after its last item, first writes what is staged. Otherwise they
-    reach `raw` in pieces of page_cache.WRITE_PIECE_BYTES at most, and where `raw` has a
-    descriptor, the write-back of every WRITEBACK_BYTES written is started as the writing goes on
+    reach `raw` in pieces of FSDPKIT_WRITE_PIECE_BYTES at most, and where `raw` has a
+    descriptor, the write-back of every FSDPKIT_WRITEBACK_BYTES written is started as the writing goes on
     (the offsets are the byte counts)."""
 
     OVERLAP_BYTES = 1 << 20
@@ -113,13 +116,14 @@ class _HashingStream(io.RawIOBase):
         self._raw, self._on_close, self._hash, self._size = raw, on_close, xxhash.xxh3_64(), 0
         self._path, self._error, self._abandoned = path, None, False
         fd = _descriptor(raw)
-        self._direct = (DirectWriter(path, buffer_bytes=DIRECT_BUFFER_BYTES, writers=DIRECT_WRITERS, fd=fd,
-                                     digest=self._hash)
+        tuned = tunables.current()
+        self._direct = (DirectWriter(path, buffer_bytes=tuned.direct_write_buffer_bytes, writers=DIRECT_WRITERS,
+                                     fd=fd, digest=self._hash)
                         if path is not None and fd is not None else None)
         if self._direct is not None and not self._direct.direct:  # O_DIRECT off or refused here
             self._direct.abort()
             self._direct = None
-        self._writeback = WriteBack(fd if self._direct is None else None, WRITEBACK_BYTES)
+        self._writeback = WriteBack(fd if self._direct is None else None, tuned.writeback_bytes)
 
     def writable(self) -> bool:
         return True
@@ -327,8 +331,9 @@ def _partial_hash(local: torch.Tensor, first_index: int) -> int:
     """Sum over local elements of bits * (2 * global_index + 1) * golden, mod 2**64 (int64 wraps)."""
     flat = local.detach().contiguous().reshape(-1)
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    for start in range(0, flat.numel(), HASH_CHUNK_ELEMS):
-        chunk = _bits(flat[start : start + HASH_CHUNK_ELEMS])
+    step = tunables.current().hash_chunk_elems  # bounds the memory of the products; the sum is the same
+    for start in range(0, flat.numel(), step):
+        chunk = _bits(flat[start : start + step])
         idx = torch.arange(first_index + start, first_index + start + chunk.numel(), dtype=torch.int64, device=flat.device)
         total += (chunk * ((idx * 2 + 1) * _GOLDEN)).sum()
     return int(total)
@@ -348,7 +353,7 @@ def _rows_hash(local: torch.Tensor, first_row: int, *, native: bool | None = Non
     `native`: use the C extension (default: where built, unless FSDPKIT_PYTHON_ROW_HASH=1).
     `copy_to`: also copy `local` there (see hash_part)."""
     t = local.detach().cpu().contiguous()
-    native = NATIVE_ROW_HASH if native is None else native
+    native = native_row_hash() if native is None else native
     if copy_to is not None and not (native and _native_copy_rows_sum is not None and copy_to.device.type == "cpu"
                                     and copy_to.is_contiguous() and copy_to.dtype == t.dtype
                                     and copy_to.shape == t.shape):

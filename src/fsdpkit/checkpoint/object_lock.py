@@ -1,15 +1,16 @@
 """One live run per checkpoints prefix on object storage, where there is no flock.
 
 The rule: rank 0 of a run holds `<root>/.lock`, a small JSON object {owner, host, pid, heartbeat}
-that a daemon thread rewrites every HEARTBEAT_S seconds. A run that finds another owner's lock
-refuses the prefix, unless that lock is stale: its heartbeat is older than STALE_S, or it was
+that a daemon thread rewrites every FSDPKIT_OBJECT_LOCK_HEARTBEAT_S seconds. A run that finds another
+owner's lock refuses the prefix, unless that lock is stale: its heartbeat is older than
+FSDPKIT_OBJECT_LOCK_STALE_S (fsdpkit.tunables), or it was
 written on this host by a process that is gone (a killed run restarted on the same node). The lock
 is deleted on release.
 
 What it does not give: object stores have no compare-and-swap that fsspec exposes everywhere, so
 two runs starting within the same moment could both write the lock; each reads it back after
 writing and the one that finds the other's owner refuses (last writer wins, read-after-write is
-consistent on S3). A run paused longer than STALE_S (a stopped VM) loses its claim.
+consistent on S3). A run paused longer than the stale age (a stopped VM) loses its claim.
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ import uuid
 
 import psutil
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.storage import RemotePath
 
 log = logging.getLogger("fsdpkit.checkpoint")
 LOCK = ".lock"
-HEARTBEAT_S = float(os.environ.get("FSDPKIT_OBJECT_LOCK_HEARTBEAT_S", "30"))
-STALE_S = float(os.environ.get("FSDPKIT_OBJECT_LOCK_STALE_S", "120"))
 
 
 class ObjectLock:
@@ -59,7 +59,7 @@ class ObjectLock:
         if holder.get("owner") == self.owner:
             return False
         beat = holder.get("heartbeat")
-        if not isinstance(beat, int | float) or time.time() - beat > STALE_S:
+        if not isinstance(beat, int | float) or time.time() - beat > tunables.current().object_lock_stale_s:
             return False
         pid = holder.get("pid")
         if holder.get("host") == socket.gethostname() and isinstance(pid, int):
@@ -75,7 +75,8 @@ class ObjectLock:
                     f"checkpoint.dir={self.root} is in use by another run (lock {self.path}: host "
                     f"{holder.get('host')}, pid {holder.get('pid')}, heartbeat {time.time() - float(holder['heartbeat']):.0f} s "
                     "ago): two runs must never write into one checkpoint prefix. Wait for it to end, stop it, or "
-                    f"set checkpoint.dir to another prefix (a lock silent for {STALE_S:.0f} s is taken over)")
+                    f"set checkpoint.dir to another prefix (a lock silent for "
+                    f"{tunables.current().object_lock_stale_s:.0f} s is taken over)")
             time.sleep(0.5)
         self.path.write_text(json.dumps(self._record()))
         if (holder := self._holder()) is not None and holder.get("owner") != self.owner:
@@ -86,7 +87,7 @@ class ObjectLock:
         return self
 
     def _beat(self) -> None:
-        while not self._stop.wait(HEARTBEAT_S):
+        while not self._stop.wait(tunables.current().object_lock_heartbeat_s):
             try:
                 self.path.write_text(json.dumps(self._record()))
             except Exception as e:  # noqa: BLE001 - a failed heartbeat is retried; saves report real trouble

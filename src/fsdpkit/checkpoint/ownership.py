@@ -29,6 +29,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from fsdpkit.checkpoint.layout import (
     ARCHIVE,
@@ -46,7 +47,6 @@ from fsdpkit.checkpoint.storage import RemotePath, fsync_dir, move_tree
 log = logging.getLogger("fsdpkit.checkpoint")
 LOCK = ".lock"
 EXISTING_POLICIES = ("error", "archive")
-LOCK_WAIT_S = float(os.environ.get("FSDPKIT_LOCK_WAIT_S", "15"))  # a just-killed predecessor's exit
 
 
 def new_run_id() -> str:
@@ -59,11 +59,12 @@ class DirectoryLock:
     def __init__(self, root: Path):
         self.root, self._fd = root, None
 
-    def acquire(self, *, wait_s: float = LOCK_WAIT_S) -> DirectoryLock:
-        """Raises CheckpointError when another live process holds the lock after `wait_s`."""
+    def acquire(self, *, wait_s: float | None = None) -> DirectoryLock:
+        """Raises CheckpointError when another live process holds the lock after `wait_s` (default
+        FSDPKIT_LOCK_WAIT_S: time for a just-killed predecessor to exit)."""
         path = self.root / LOCK
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + (tunables.current().lock_wait_s if wait_s is None else wait_s)
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

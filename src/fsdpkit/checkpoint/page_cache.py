@@ -21,18 +21,19 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-WRITE_PIECE_BYTES = int(os.environ.get("FSDPKIT_WRITE_PIECE_BYTES", str(256 << 10)))
-"""Checkpoint data goes to the page cache in write calls of at most this many bytes (0: as given)."""
+from fsdpkit import tunables
 
-READ_RESTART_BYTES = int(os.environ.get("FSDPKIT_READ_RESTART_BYTES", str(16 << 20)))
-"""A file read from start to end gets a new descriptor every this many bytes (0: never)."""
+# Checkpoint data goes to the page cache in write calls of at most FSDPKIT_WRITE_PIECE_BYTES (256 KiB;
+# 0: as given), and a file read from start to end gets a new descriptor every
+# FSDPKIT_READ_RESTART_BYTES (16 MiB; 0: never): fsdpkit.tunables.
 
 
 def write_in_pieces(write: Callable[[memoryview], int | None], data: memoryview) -> int:
-    """`write(piece)` for each WRITE_PIECE_BYTES piece of `data` (bytes); the bytes written,
-    stopping at the first short write. A None from `write` counts as the whole piece written (a
-    buffered file's write)."""
-    step = WRITE_PIECE_BYTES if WRITE_PIECE_BYTES > 0 else max(len(data), 1)
+    """`write(piece)` for each FSDPKIT_WRITE_PIECE_BYTES piece of `data` (bytes); the bytes
+    written, stopping at the first short write. A None from `write` counts as the whole piece
+    written (a buffered file's write)."""
+    piece_bytes = tunables.current().write_piece_bytes
+    step = piece_bytes if piece_bytes > 0 else max(len(data), 1)
     done = 0
     while done < len(data):
         piece = data[done : done + step]
@@ -61,14 +62,14 @@ def reopen(fd: int) -> int | None:
 
 class SequentialReader:
     """A local file read from its start to its end (`readinto`), through a descriptor replaced
-    every READ_RESTART_BYTES by a new one on the same file (`reopen`). Where that is not possible
+    every FSDPKIT_READ_RESTART_BYTES by a new one on the same file (`reopen`). Where that is not possible
     (no /proc), one descriptor reads it all."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self._fd = os.open(path, os.O_RDONLY)
         self._pos = 0
         self._since = 0  # bytes read through the current descriptor
-        self._restart = READ_RESTART_BYTES
+        self._restart = tunables.current().read_restart_bytes
 
     def readinto(self, view: Any) -> int:
         """Up to len(view) bytes into `view`; 0 at the end of the file."""

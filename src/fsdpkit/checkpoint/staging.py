@@ -9,7 +9,7 @@ A blocking host-to-host copy (the training loop waits for it) runs on several th
 disjoint pieces of the state: one thread copies at well under the machine's memory bandwidth
 (bench/checkpoint.py measures one and two copies at once). The threads are the cores this
 process may use, divided among the ranks on this host (LOCAL_WORLD_SIZE, as torchrun sets it), at
-most MAX_COPY_THREADS; FSDPKIT_STAGING_THREADS overrides that.
+most MAX_COPY_THREADS; FSDPKIT_STAGING_THREADS (fsdpkit.tunables) overrides that.
 
 Where the C extension is built, host copies use non-temporal stores (`_rowhash.stream_copy`):
 the buffer's lines are neither read into the cache before being overwritten nor kept there
@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-STAGING_THREADS_ENV = "FSDPKIT_STAGING_THREADS"
+from fsdpkit import tunables
+
 MAX_COPY_THREADS = 4
 COPY_PIECE_BYTES = 16 << 20  # the unit a parallel copy hands to a thread
 STREAM_MIN_BYTES = 1 << 16  # below this, copy_ (a small tensor fits in the cache; the call costs more)
@@ -140,12 +141,9 @@ def copy_tensors(state: Any, buffer: Any, *, pool: ThreadPoolExecutor | None = N
 
 def copy_threads() -> int:
     """Threads for a blocking host-to-host staging copy (see the module's docstring)."""
-    if os.environ.get(STAGING_THREADS_ENV):
-        try:
-            return max(1, int(os.environ[STAGING_THREADS_ENV]))
-        except ValueError:
-            raise ValueError(f"{STAGING_THREADS_ENV}={os.environ[STAGING_THREADS_ENV]!r} is not a whole "
-                             "number of threads; set it to e.g. 2, or unset it") from None
+    threads = tunables.current().staging_threads
+    if threads is not None:
+        return threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     try:
         ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

@@ -36,10 +36,8 @@ from typing import IO, Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from fsdpkit import tunables
 from fsdpkit.config.paths import URL
-
-RANGE_BYTES = int(os.environ.get("FSDPKIT_REMOTE_RANGE_BYTES", str(16 << 20)))  # one ranged GET, at most
-OPEN_BLOCK_BYTES = int(os.environ.get("FSDPKIT_REMOTE_OPEN_BLOCK_BYTES", str(1 << 20)))  # read-ahead of open()
 
 
 def is_url(value: str | os.PathLike) -> bool:
@@ -171,11 +169,11 @@ class RemotePath:
         return self.fs.cat_file(self.key, start=start, end=end)
 
     def read_range_into(self, view: memoryview, offset: int) -> int:
-        """Fill `view` from byte `offset` with ranged GETs of at most RANGE_BYTES each (bounded
-        memory); returns how many bytes the object had there (less than len(view): it ends early)."""
-        done = 0
+        """Fill `view` from byte `offset` with ranged GETs of at most FSDPKIT_REMOTE_RANGE_BYTES each
+        (bounded memory); returns how many bytes the object had there (less than len(view): it ends early)."""
+        done, most = 0, tunables.current().remote_range_bytes
         while done < len(view):
-            data = self.read_range(offset + done, offset + min(len(view), done + RANGE_BYTES))
+            data = self.read_range(offset + done, offset + min(len(view), done + most))
             if not data:
                 break
             view[done:done + len(data)] = data
@@ -197,10 +195,10 @@ class RemotePath:
                 raise
 
     def open(self, mode: str = "rb", **kwargs: Any) -> IO[bytes]:
-        """A file object; reads fetch OPEN_BLOCK_BYTES (1 MiB) ahead (s3fs would fetch 50 MiB after every
+        """A file object; reads fetch FSDPKIT_REMOTE_OPEN_BLOCK_BYTES (1 MiB) ahead (s3fs would fetch 50 MiB after every
         seek, which parsing headers spread through a large object turns into gigabytes)."""
         if "r" in mode:
-            kwargs.setdefault("block_size", OPEN_BLOCK_BYTES)
+            kwargs.setdefault("block_size", tunables.current().remote_open_block_bytes)
         return self.fs.open(self.key, mode, **kwargs)
 
 

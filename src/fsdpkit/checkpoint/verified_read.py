@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.hashing import HASH_NAME
 from fsdpkit.checkpoint.page_cache import SequentialReader
@@ -63,9 +64,8 @@ WHOLE_FILE_THREADS = 2
 GAP_BYTES = 16 << 20
 """Bytes of a file outside every item it lists are read (and hashed) this many at a time."""
 
-DIRECT_MIN_BYTES = int(os.environ.get("FSDPKIT_DIRECT_READ_BYTES", str(1 << 20)))
-"""Items of at least this many bytes whose target is a host tensor are read straight into it
-(smaller ones cost more in parsing than the copy they spare)."""
+# Items of at least FSDPKIT_DIRECT_READ_BYTES (1 MiB) whose target is a host tensor are read
+# straight into it (smaller ones cost more in parsing than the copy they spare).
 
 HEAD_BYTES = 4096
 """Bytes of an item read before its tensor (torch.save's data.pkl and local headers: < 1 KiB)."""
@@ -216,7 +216,7 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         """(request, storage info, its item's bytes, or its target already filled) for `reqs`,
         reading file `name` whole in offset order on the calling thread. An item's bytes go to one
         buffer reused from item to item (a view is valid until the next is asked for), except the
-        bytes one request takes from an item of at least DIRECT_MIN_BYTES into a host tensor of
+        bytes one request takes from an item of at least FSDPKIT_DIRECT_READ_BYTES into a host tensor of
         their dtype (the whole tensor, or whole rows of it): those are read straight into the
         target, the item's other bytes into the buffer (`_read_into_target`). Items no request
         takes are read too (into the page cache other ranks of this host read them from); with
@@ -224,7 +224,7 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         read to the end.
 
         One thread, as DCP's own reader: the kernel's read-ahead streams the file meanwhile
-        (restarted every page_cache.READ_RESTART_BYTES by SequentialReader). A
+        (restarted every FSDPKIT_READ_RESTART_BYTES by SequentialReader). A
         read-ahead thread of our own (reading and hashing while the caller copies) was no faster:
         1 GiB on 2 ranks on 2 cores, cold pages, alternating in one process, 0.75 s against this
         version's 0.76 s (medians of 10); with a third thread hashing apart, slower."""
@@ -278,9 +278,9 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
 
     def _direct_target(self, reqs: list[ReadItem], info: _StorageInfo, planner: LoadPlanner) -> torch.Tensor | None:
         """The target to read item `info`'s bytes straight into, if the item has at least
-        DIRECT_MIN_BYTES and one request takes a tensor from it into a contiguous host tensor
+        FSDPKIT_DIRECT_READ_BYTES and one request takes a tensor from it into a contiguous host tensor
         (`_read_into_target` then checks that it takes whole rows of the stored dtype)."""
-        if len(reqs) != 1 or info.transform_descriptors or info.length < DIRECT_MIN_BYTES:
+        if len(reqs) != 1 or info.transform_descriptors or info.length < tunables.current().direct_read_bytes:
             return None
         req = reqs[0]
         if req.type != LoadItemType.TENSOR:

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsdpkit import tunables
 from fsdpkit.config.paths import check_url
-from fsdpkit.export.tunables import DEFAULT_MAX_SHARD_SIZE, VERIFY_THREADS
+from fsdpkit.config.schema import ExportConfig
 
 CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp; also as an s3:// URL, credentials "
                   "and endpoint from the AWS_* environment), a checkpoints or run directory "
@@ -90,8 +91,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("out", metavar="OUT", help="output directory (--format hf) or file (--format single)")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
                    help="dtype of floating-point tensors (default: as stored, i.e. fp32 master weights for fsdpkit runs)")
-    e.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE",
-                   help=f"largest output file of --format hf, e.g. 5GB, 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})")
+    e.add_argument("--max-shard-size", default=ExportConfig.max_shard_size, metavar="SIZE",
+                   help=f"largest output file of --format hf, e.g. 5GB, 500MB, 2GiB (default {ExportConfig.max_shard_size}, "
+                        "as export.max_shard_size)")
     e.add_argument("--format", dest="fmt", choices=["hf", "single"], default="hf",
                    help="hf: a Hugging Face folder (default); single: one .safetensors file")
     e.add_argument("--config", default=None, metavar="FILE_OR_DIR",
@@ -144,7 +146,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                     "when nothing checked is wrong, 1 when anything is, 2 when CKPT is not a checkpoint "
                                     "at all.")
     v.add_argument("ckpt", metavar="CKPT", help=CKPT_PATH_HELP)
-    v.add_argument("--threads", type=int, default=VERIFY_THREADS, help=f"parallel checks (default {VERIFY_THREADS})")
+    v.add_argument("--threads", type=int, default=None,
+                   help=f"parallel checks (default: FSDPKIT_VERIFY_THREADS, else {tunables.DEFAULTS.verify_threads})")
     v.add_argument("--tensors", action="store_true",
                    help="also recompute every tensor's checksum from the data and compare with the manifest (reads it all again)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -259,7 +262,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from fsdpkit.export.verification import verify_checkpoint
 
-    if args.threads < 1:
+    if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be at least 1, got {args.threads}")
     report = verify_checkpoint(args.ckpt, threads=args.threads, tensors=args.tensors)
     if args.json:

@@ -12,6 +12,7 @@ import traceback
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED
 from fsdpkit.cli import ckpt as ckpt_cli
@@ -234,6 +235,7 @@ def _main(argv: list[str] | None) -> int:
     args = _parse(argv)
     under_launcher = "TORCHELASTIC_RUN_ID" in os.environ
     try:
+        tunables.current()  # a malformed FSDPKIT_* variable stops every command here, before any work
         code = {"train": _train, "config": _config, "resume-check": _resume_check, "ckpt": ckpt_cli.run,
                 "plot": plot_cli.run}[args.command](args)
     except (ValueError, FileNotFoundError, CheckpointError) as e:

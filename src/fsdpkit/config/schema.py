@@ -181,7 +181,7 @@ class DataConfig:
     cache_dir: str = ""
     """kind=hf: where tokenized data is cached (keyed by the files' contents, the tokenizer and the
     options; reused by every rank and later runs). Must be shared by all ranks. Empty:
-    $FSDPKIT_DATA_CACHE or ~/.cache/fsdpkit/data."""
+    ~/.cache/fsdpkit/data."""
     num_proc: int = 1
     """kind=hf: processes that tokenize in parallel when the cache is built (a fast tokenizer
     also uses threads of its own)."""

@@ -36,7 +36,7 @@ from fsdpkit.log import get_logger
 
 CACHE_FORMAT = 1  # bump when the arrays' meaning changes: old caches then stop matching
 INFO_FILE, IDS_FILE, OFFSETS_FILE, MASK_FILE = "info.json", "ids.npy", "offsets.npy", "mask.npy"
-DEFAULT_CACHE_DIR = os.environ.get("FSDPKIT_DATA_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "fsdpkit", "data"))
+DEFAULT_CACHE_DIR = "~/.cache/fsdpkit/data"  # where data.cache_dir='' puts the cache
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".txt": "text", ".text": "text"}
 FORMATS = ("auto", "json", "parquet", "csv", "text")
 HASH_CHUNK = 1 << 22

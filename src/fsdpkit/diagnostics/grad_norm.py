@@ -11,12 +11,12 @@ and after clipping to max_norm the true global norm of the gradients cannot exce
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from fsdpkit import tunables
 from fsdpkit.diagnostics.findings import (
     ERROR,
     GRAD_NORM_MISMATCH,
@@ -25,9 +25,6 @@ from fsdpkit.diagnostics.findings import (
     report_findings,
 )
 from fsdpkit.diagnostics.gather import all_gather_floats
-
-GRAD_NORM_RTOL = float(os.environ.get("FSDPKIT_DIAG_GRAD_NORM_RTOL", "1e-3"))
-"""Relative tolerance between norms that should agree (covers foreach/order rounding)."""
 
 CLIP_HINT = ("clip the DTensor gradients themselves: norm = torch.nn.utils.clip_grad_norm_(model.parameters(), "
              "max_norm) reduces over every shard and returns the global norm as a DTensor "
@@ -47,8 +44,10 @@ def global_grad_norm(parameters: Iterable[torch.Tensor]) -> float | None:
 
 
 def grad_norm_findings(norm: float | torch.Tensor, *, parameters: Iterable[torch.Tensor], max_norm: float = 0.0,
-                       rtol: float = GRAD_NORM_RTOL) -> list[Finding]:
+                       rtol: float | None = None) -> list[Finding]:
     """The checks of `check_grad_norm`, returned instead of reported."""
+    if rtol is None:  # covers foreach and summation-order rounding
+        rtol = tunables.current().diag_grad_norm_rtol
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     norm = float(norm)
@@ -77,7 +76,7 @@ def grad_norm_findings(norm: float | torch.Tensor, *, parameters: Iterable[torch
 
 
 def check_grad_norm(norm: float | torch.Tensor, *, parameters: Iterable[torch.Tensor], max_norm: float = 0.0,
-                    rtol: float = GRAD_NORM_RTOL, strict: bool = True) -> list[Finding]:
+                    rtol: float | None = None, strict: bool = True) -> list[Finding]:
     """Check that `norm` is the global gradient norm and that clipping was global. Call on every
     rank right after clipping, before optimizer.zero_grad() (once is enough: the first step).
     Two small collectives.
@@ -86,7 +85,7 @@ def check_grad_norm(norm: float | torch.Tensor, *, parameters: Iterable[torch.Te
         norm: the (pre-clip) norm your clipping computed or returned.
         parameters: the model's parameters (their .grad are read, not changed).
         max_norm: the clipping threshold you used; 0 or inf when you only measured.
-        rtol: relative tolerance for norms that should agree.
+        rtol: relative tolerance for norms that should agree (default FSDPKIT_DIAG_GRAD_NORM_RTOL, 1e-3).
         strict: raise on a failed check (True) or only log it.
 
     Raises:

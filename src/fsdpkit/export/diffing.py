@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.manifest import dtype_name
 from fsdpkit.export.keys import model_weights
 from fsdpkit.export.sources import OpenedCheckpoint, TensorInfo, iter_row_blocks, open_checkpoint
-from fsdpkit.export.tunables import BLOCK_BYTES
 
 
 def _view(opened: OpenedCheckpoint, *, all_tensors: bool, namespace: str | None) -> dict[str, str]:
@@ -46,8 +46,8 @@ def _compare(a: OpenedCheckpoint, ka: str, b: OpenedCheckpoint, kb: str, info: T
 
 
 def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, all_tensors: bool = False,
-                     namespace: str | None = None, block_bytes: int = BLOCK_BYTES) -> dict[str, Any]:
-    """Compare two checkpoints tensor by tensor.
+                     namespace: str | None = None, block_bytes: int | None = None) -> dict[str, Any]:
+    """Compare two checkpoints tensor by tensor, `block_bytes` at a time (default FSDPKIT_EXPORT_BLOCK_BYTES).
 
     Returns:
         {"a", "b", "only_in_a", "only_in_b", "shape_changed", "dtype_changed", "tensors": {name:
@@ -55,6 +55,7 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, all_tensors:
     Raises:
         FileNotFoundError / CheckpointError: as `open_checkpoint`.
     """
+    block_bytes = block_bytes or tunables.current().export_block_bytes
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
         va, vb = _view(ca, all_tensors=all_tensors, namespace=namespace), _view(cb, all_tensors=all_tensors, namespace=namespace)
         ta, tb = ca.source.tensors(), cb.source.tensors()

@@ -1,9 +1,14 @@
 """Export a checkpoint's model weights as safetensors, streaming, in one process.
 
-Tensors are read a block of rows at a time (`tunables.BLOCK_BYTES`), converted to the output
-dtype and appended to the output file, with the next `tunables.READ_AHEAD` blocks read on as many
-threads while the current one is written (local files with O_DIRECT: fsdpkit.checkpoint.direct_io).
-Peak memory is a few blocks whatever the model size. Tensors that transformers stores in
+Tensors are read a block of rows at a time (FSDPKIT_EXPORT_BLOCK_BYTES, 16 MiB), converted to the
+output dtype and appended to the output file, with the next FSDPKIT_EXPORT_READ_AHEAD blocks read on
+as many threads while the current one is written (local files with O_DIRECT:
+fsdpkit.checkpoint.direct_io; the tunables are in fsdpkit.tunables). Peak memory is a few blocks
+whatever the model size: about 3 x READ_AHEAD + WRITE_THREADS + 3 of them (READ_AHEAD + 2 more when
+converting dtypes: read rings, a bounce buffer per read thread for O_DIRECT, WRITE_THREADS + 1
+write buffers). Four blocks read ahead keep an O_DIRECT read queue deep enough (2 GiB on a 2-core
+VM: 2.4-2.6 s with 4, 2.9 s with 2 on one day; on a par, 3.1 s, on another, when reads and writes
+shared the disk's budget). Tensors that transformers stores in
 another layout than it holds in memory (fused MoE experts, see fsdpkit.export.hub_layout) are the
 exception: each is read whole, one group at a time, and converted by transformers' own reverse
 operations, so the files hold what `save_pretrained` writes. The output (weights, config.json,
@@ -27,11 +32,12 @@ from typing import Any
 
 import torch
 
-from fsdpkit import __version__
+from fsdpkit import __version__, tunables
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.manifest import check_files_present, dtype_name
 from fsdpkit.checkpoint.resume import verify_files
 from fsdpkit.checkpoint.storage import fsync_dir
+from fsdpkit.config.schema import ExportConfig
 from fsdpkit.export.destination import (
     EXPORTED_BY,
     check_no_overlap,
@@ -58,14 +64,8 @@ from fsdpkit.export.safetensors_io import (
     shard_file_name,
 )
 from fsdpkit.export.sources import OpenedCheckpoint, TensorInfo, iter_row_blocks, open_checkpoint
-from fsdpkit.export.tunables import (
-    BLOCK_BYTES,
-    DEFAULT_MAX_SHARD_SIZE,
-    READ_AHEAD,
-    VERIFY_THREADS,
-    parse_size,
-)
 from fsdpkit.export.verification import extent_problems
+from fsdpkit.tunables import parse_size
 
 FORMATS = ("hf", "single")
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -86,7 +86,7 @@ def export_checkpoint(
     out: str | os.PathLike,
     *,
     dtype: str | torch.dtype | None = None,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: int | str = ExportConfig.max_shard_size,
     fmt: str = "hf",
     namespace: str | None = None,
     strip_prefixes: Sequence[str] = (),
@@ -96,7 +96,7 @@ def export_checkpoint(
     write_config: bool = True,
     config: str | os.PathLike | None = None,
     verify: bool = False,
-    block_bytes: int = BLOCK_BYTES,
+    block_bytes: int | None = None,
     run_dirs: Sequence[str | os.PathLike] = (),
     hub_layout: bool = True,
 ) -> dict[str, Any]:
@@ -130,6 +130,8 @@ def export_checkpoint(
         verify: first recompute every file checksum of an fsdpkit checkpoint (one more read of
             it); without it, every file is only checked to be present and long enough: with its
             recorded size (fsdpkit) or holding every byte range the DCP metadata lists (any DCP).
+        block_bytes: a tensor is read, converted and written this many bytes at a time (default
+            FSDPKIT_EXPORT_BLOCK_BYTES).
         run_dirs: run directories `out` must not be or contain, besides the one found above the
             checkpoint (training passes its own).
         hub_layout: when the model is known (a `model.kind=hf` run, or `config`), write the names
@@ -175,7 +177,7 @@ def export_checkpoint(
         try:
             written = _write_files(opened, names, items, layout, out_dtypes, groups, files,
                                    tmp_dir=tmp if fmt == "hf" else None, tmp_file=tmp if fmt == "single" else None,
-                                   block_bytes=block_bytes)
+                                   block_bytes=block_bytes or tunables.current().export_block_bytes)
             if fmt == "hf":
                 if len(groups) > 1:
                     weight_map = {name: file for group, file in zip(groups, files, strict=True) for name in group}
@@ -225,7 +227,7 @@ def _check_integrity(opened: OpenedCheckpoint, *, verify: bool) -> None:
     if opened.manifest is not None:
         problems = check_files_present(opened.path, opened.manifest)
         if verify and not problems:
-            problems = verify_files(opened.path, opened.manifest, threads=VERIFY_THREADS)
+            problems = verify_files(opened.path, opened.manifest, threads=tunables.current().verify_threads)
     if not problems and opened.kind in ("fsdpkit", "dcp"):  # DcpSource and DcpLoadSource
         problems = extent_problems(opened.path, opened.source.metadata)
     if problems:
@@ -285,7 +287,7 @@ class _BlockBuffers:
 
 
 def _prefetched(opened: OpenedCheckpoint, jobs: list[tuple[str, int, int, torch.dtype]], *, block_bytes: int,
-                read_ahead: int = READ_AHEAD) -> Iterator[torch.Tensor]:
+                read_ahead: int | None = None) -> Iterator[torch.Tensor]:
     """The row blocks `jobs` name, converted, with the next `read_ahead` ones read (and converted)
     in parallel threads meanwhile.
 
@@ -294,7 +296,7 @@ def _prefetched(opened: OpenedCheckpoint, jobs: list[tuple[str, int, int, torch.
     asking for the next.
     """
     tensors = opened.source.tensors()
-    depth = max(1, read_ahead)
+    depth = max(1, tunables.current().export_read_ahead if read_ahead is None else read_ahead)
     raw, converted = _BlockBuffers(depth + 2, block_bytes), _BlockBuffers(depth + 2, block_bytes)
 
     def load(i: int) -> torch.Tensor:

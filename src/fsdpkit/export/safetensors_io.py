@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.direct_io import DirectWriter
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.export.tunables import BLOCK_BYTES, DIRECT_IO, FLUSH_BYTES, WRITE_THREADS
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -158,8 +158,9 @@ class StreamingSafetensorsWriter:
         self.data_bytes = position
         self.file_bytes = 8 + len(encoded) + position
         self._next = 0
-        self._out = DirectWriter(path, buffer_bytes=BLOCK_BYTES, writers=WRITE_THREADS, flush_bytes=FLUSH_BYTES,
-                                 direct=DIRECT_IO)
+        tuned = tunables.current()
+        self._out = DirectWriter(path, buffer_bytes=tuned.export_block_bytes, writers=tuned.export_write_threads,
+                                 flush_bytes=tuned.export_flush_bytes, direct=tuned.export_direct_io)
         self._out.write(torch.frombuffer(bytearray(struct.pack("<Q", len(encoded)) + encoded), dtype=torch.uint8))
 
     def write_tensor(self, name: str, pieces: Iterable[torch.Tensor]) -> None:

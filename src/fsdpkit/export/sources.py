@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.direct_io import DirectReader
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from fsdpkit.checkpoint.layout import MANIFEST
@@ -40,7 +41,6 @@ from fsdpkit.export.locate import (
     not_committed_message,
 )
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
-from fsdpkit.export.tunables import BLOCK_BYTES, DIRECT_IO
 
 FULL_MODEL_FILE = "model.safetensors"  # what strategy.state_dict_type=full writes (checkpoint/full.py)
 
@@ -180,7 +180,7 @@ class DcpSource:
         # An O_DIRECT reader holds a second descriptor per file: only where every file's two fit
         # well within the open-file limit (a checkpoint of thousands of ranks reads through one).
         files = {info.relative_path for info in self.metadata.storage_data.values()}
-        self._direct = DIRECT_IO and 2 * len(files) + 256 <= _open_file_limit()
+        self._direct = tunables.current().export_direct_io and 2 * len(files) + 256 <= _open_file_limit()
         self._payloads: dict[tuple[str, tuple[int, ...]], TensorPayload] = {}
         self._whole: tuple[str, torch.Tensor] | None = None  # the last tensor assembled whole
         # read_rows may run on several threads: data is read with pread (no shared file position),
@@ -215,7 +215,7 @@ class DcpSource:
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"{path} is missing; the checkpoint is incomplete") from None
             if isinstance(path, Path):
-                self._readers[relative] = DirectReader(path, self._files[relative].fileno(), bounce_bytes=BLOCK_BYTES,
+                self._readers[relative] = DirectReader(path, self._files[relative].fileno(), bounce_bytes=tunables.current().export_block_bytes,
                                                        direct=self._direct)
         return self._files[relative]
 

@@ -31,6 +31,7 @@ from typing import Any
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
+from fsdpkit import tunables
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.hashing import LINEAR, MASK64, hash_part
 from fsdpkit.checkpoint.layout import LATEST, MANIFEST
@@ -47,7 +48,6 @@ from fsdpkit.export.locate import (
 )
 from fsdpkit.export.safetensors_io import INDEX_FILE, read_header, safetensors_files
 from fsdpkit.export.sources import Chunk, DcpSource, chunk_problems, iter_row_blocks
-from fsdpkit.export.tunables import BLOCK_BYTES, VERIFY_THREADS
 
 
 class _Problems:
@@ -162,7 +162,7 @@ def _tensor_checksums(ckpt: Path, manifest: dict[str, Any], problems: _Problems,
                     found.append((METADATA_FILENAME, f"{key} has a checksum in {MANIFEST} but is not in the metadata"))
                     continue
                 info, total = tensors[key], 0
-                for a, b in iter_row_blocks(info, block_bytes=BLOCK_BYTES):
+                for a, b in iter_row_blocks(info, block_bytes=tunables.current().export_block_bytes):
                     total += hash_part(source.read_rows(key, a, b), first_row=a, algorithm=algorithm)
                 digest, expected = f"{total & MASK64:016x}", manifest["tensors"][key]["hash"]
                 if digest != expected:
@@ -197,11 +197,12 @@ def _safetensors_structure(folder: Path, files: list[Path], problems: _Problems)
                 problems.add(file.name, f"{file} holds {len(header.tensors)} tensors, the index assigns it {len(listed)}")
 
 
-def verify_checkpoint(path: str | os.PathLike, *, threads: int = VERIFY_THREADS, tensors: bool = False) -> dict[str, Any]:
+def verify_checkpoint(path: str | os.PathLike, *, threads: int | None = None, tensors: bool = False) -> dict[str, Any]:
     """Verify a checkpoint; never raises for what it finds, only for a path that is no checkpoint.
 
     A `latest` pointer that cannot be followed and an fsdpkit checkpoint that was never
     committed (a directory fsdpkit writes, without manifest.json) are problems it finds.
+    `threads`: parallel checks (default FSDPKIT_VERIFY_THREADS).
 
     Returns:
         {"path", "kind", "ok", "problems": [...], "bad_files": [...], "checked": {...}, "checksums": str,
@@ -214,6 +215,7 @@ def verify_checkpoint(path: str | os.PathLike, *, threads: int = VERIFY_THREADS,
     except LatestPointerError as exc:
         return {"path": str(path), "kind": "fsdpkit", "ok": False, "problems": [str(exc)], "bad_files": [LATEST],
                 "checked": {}, "checksums": "none: no checkpoint to check", "values_checked": False, "notes": []}
+    threads = tunables.current().verify_threads if threads is None else threads
     report = _verify_one(located.path, threads=threads, tensors=tensors)
     optimizer = accelerate_part(located.path.parent, "optimizer")
     if located.path.name == ACCELERATE_MODEL.format(0) and optimizer is not None:  # Accelerate: its optimizer too

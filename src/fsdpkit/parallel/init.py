@@ -9,7 +9,6 @@ the seed and the name alone, never on how the parameter is sharded.
 
 from __future__ import annotations
 
-import os
 import zlib
 from collections.abc import Callable
 
@@ -18,7 +17,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-ROWS_PER_BLOCK = int(os.environ.get("FSDPKIT_INIT_ROWS_PER_BLOCK", "64"))
+ROWS_PER_BLOCK = 64
+"""Part of the init's definition, not a tunable: another block size draws other weights from the
+same seed (and the config saved with a run would not say so)."""
 
 
 def _block_seed(seed: int, fqn: str, block: int) -> int:
