@@ -25,6 +25,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as tdist
@@ -37,13 +38,18 @@ MAIN, BACKGROUND = "main", "background"
 
 
 class Watchdog:
-    """Heartbeats of one rank; `report()` describes every rank. Thread-safe."""
+    """Heartbeats of one rank; `report()` describes every rank. Thread-safe.
+
+    `clock` (seconds, monotonic) times steps and what each slot is doing; `sleep` is the wait of
+    `report()` between its two reads. Both are time's own unless a test drives them."""
 
     def __init__(self, *, store: tdist.Store, rank: int, world_size: int, interval_s: float = 1.0,
-                 slow_step_factor: float = 10.0):
+                 slow_step_factor: float = 10.0, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
         self.store, self.rank, self.world_size = store, rank, world_size
         self.interval_s, self.slow_step_factor = interval_s, slow_step_factor
-        self._phases: dict[str, tuple[str, float]] = {MAIN: ("starting", time.time())}
+        self._clock, self._sleep = clock, sleep
+        self._phases: dict[str, tuple[str, float]] = {MAIN: ("starting", clock())}
         self._step_started: float | None = None
         self._step_times: deque[float] = deque(maxlen=RECENT_STEPS)
         self._warned_step = False
@@ -59,21 +65,21 @@ class Watchdog:
             if what is None:
                 self._phases.pop(slot, None)
             elif self._phases.get(slot, ("",))[0] != what:
-                self._phases[slot] = (what, time.time())
+                self._phases[slot] = (what, self._clock())
 
     def step_started(self) -> None:
         with self._lock:
-            self._step_started, self._warned_step = time.monotonic(), False
+            self._step_started, self._warned_step = self._clock(), False
 
     def step_finished(self) -> None:
         with self._lock:
             if self._step_started is not None:
-                self._step_times.append(time.monotonic() - self._step_started)
+                self._step_times.append(self._clock() - self._step_started)
             self._step_started = None
 
     # -- the thread ----------------------------------------------------------------------------
     def start(self) -> Watchdog:
-        self._beat()
+        self.beat()
         self._thread.start()
         return self
 
@@ -83,17 +89,22 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self._beat()
-                if self._step_is_slow():
-                    self._warn_slow_step()
+                self.tick()
             except Exception as e:  # noqa: BLE001 - the store went away (launcher ended): stop quietly
                 log.debug("heartbeat stopped: %s", e)
                 return
 
-    def _beat(self) -> None:
+    def tick(self) -> None:
+        """One round of the thread: publish a heartbeat, then warn if this rank's step is stuck."""
+        self.beat()
+        if self._step_is_slow():
+            self._warn_slow_step()
+
+    def beat(self) -> None:
+        """Publish this rank's heartbeat: the next sequence number and what each slot is doing."""
         with self._lock:
             self._seq += 1
-            now = time.time()
+            now = self._clock()
             record = {"seq": self._seq, "pid": os.getpid(), "host": socket.gethostname(),
                       "doing": {slot: [what, now - since] for slot, (what, since) in self._phases.items()}}
         self.store.set(KEY.format(rank=self.rank), json.dumps(record))
@@ -102,13 +113,14 @@ class Watchdog:
         with self._lock:
             if not self.slow_step_factor or self._step_started is None or self._warned_step or len(self._step_times) < 3:
                 return False
-            elapsed = time.monotonic() - self._step_started
+            elapsed = self._clock() - self._step_started
             return elapsed >= max(MIN_SLOW_S, self.slow_step_factor * statistics.median(self._step_times))
 
     def _warn_slow_step(self) -> None:
         with self._lock:
             self._warned_step = True
-            elapsed = time.monotonic() - (self._step_started or time.monotonic())
+            now = self._clock()
+            elapsed = now - (self._step_started or now)
             median = statistics.median(self._step_times)
         stale, line = self.report()
         if stale:  # a slow step with every rank alive is just slow: say nothing
@@ -129,8 +141,8 @@ class Watchdog:
         waits three heartbeat intervals, reads again: a rank whose sequence did not move is stale
         (this rank never is: the caller may be its own heartbeat thread)."""
         first = self.read()
-        time.sleep(3 * self.interval_s if wait_s is None else wait_s)
-        self._beat()
+        self._sleep(3 * self.interval_s if wait_s is None else wait_s)
+        self.beat()
         second = self.read()
         stale = [r for r in range(self.world_size)
                  if r != self.rank and (r not in second or second[r]["seq"] == first.get(r, {}).get("seq"))]
