@@ -28,7 +28,11 @@ from harness import (
     uncommitted,
 )
 
+from faults import env as faults_env
+from faults import fired, stall_mid_write
+
 EXIT_PREEMPTED = 75
+STALL_S = 3  # a save held this long after its first shard bytes (tests/faults stall_mid_write): a wide window
 
 
 @dataclass
@@ -71,7 +75,19 @@ def _committed_step(run: Path) -> int | None:
     return max(steps, default=None)
 
 
-def _wait_in_save(job: Job, *, timeout: float = 120) -> bool:
+def _stalled_saves(run: Path) -> tuple[dict[str, str], Path]:
+    """(the environment that holds every save of `run` STALL_S seconds after its first shard bytes,
+    the marker file where each stall is recorded as it starts)."""
+    marker = run.parent / f"{run.name}.faults.jsonl"
+    return faults_env(stall_mid_write(seconds=STALL_S), marker=marker), marker
+
+
+def _wait_in_save(job: Job, *, marker: Path | None = None, timeout: float = 120) -> bool:
+    """True once a save is in flight: with `marker` (_stalled_saves), once a new stall started (the save is
+    then held, its directory uncommitted, for STALL_S); otherwise once an uncommitted directory appears."""
+    if marker is not None:
+        before = len(fired(marker))
+        return job.wait_for(lambda: len(fired(marker)) > before, timeout=timeout, poll=0.003)
     return job.wait_for(lambda: bool(uncommitted(job.run)), timeout=timeout, poll=0.003)
 
 
@@ -106,10 +122,10 @@ def one_rank(sig: int, where: str, mode: str) -> Callable[[int, random.Random, C
         out = Outcome(case=f"{name} rank, {where}, {mode}", trial=trial, seed=ctx.seed, ok=True)
         victim = rng.randint(0, 1)
         extra = ["checkpoint.async=true"] if mode == "async" else []
-        env = {"FSDPKIT_TEST_SLOW_WRITE_S": "3"} if mode == "async" and where == "mid-save" else {}
+        env, marker = _stalled_saves(run) if mode == "async" and where == "mid-save" else ({}, None)
         job = Job(run, *extra, *TIMEOUTS, env=env)
         job.wait_step(rng.randint(3, 8))
-        if where == "mid-save" and not _wait_in_save(job):
+        if where == "mid-save" and not _wait_in_save(job, marker=marker):
             job.kill_all()
             return _fail(out, "no save started")
         procs = job.processes()
@@ -144,7 +160,7 @@ def preempt(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
         run = ctx.work / f"preempt_{kind}_{trial}"
         out = Outcome(case=f"preemption: {kind}", trial=trial, seed=ctx.seed, ok=True)
         second = kind == "second-signal"
-        env = {"FSDPKIT_TEST_SLOW_WRITE_S": "3"} if second else {}
+        env, marker = _stalled_saves(run) if second else ({}, None)
         job = Job(run, *(["checkpoint.async=true", "checkpoint.every_steps=0"] if second else []), env=env)
         job.wait_step(rng.randint(3, 10))
         before = _committed_step(run)
@@ -157,7 +173,7 @@ def preempt(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
             target.send_signal(signal.SIGUSR1 if kind == "rank-SIGUSR1" else signal.SIGTERM)
         out.kills = 1
         if second:
-            if not _wait_in_save(job, timeout=60):
+            if not _wait_in_save(job, marker=marker, timeout=60):
                 job.kill_all()
                 return _fail(out, "the preemption save never started")
             job.rank(0).send_signal(signal.SIGTERM)

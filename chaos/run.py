@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "fuzz"))  # the corruption fuzz's mutations
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/faults: the faults injected into saves
 from cases import Context, cases  # noqa: E402
 from harness import Outcome, Reference  # noqa: E402
 

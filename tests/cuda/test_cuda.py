@@ -22,6 +22,8 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, fsdpkit  # noqa: E402
+from faults import env as faults_env  # noqa: E402
+from faults import fired, skip_restore  # noqa: E402
 from fsdpkit.checkpoint.dcp_storage import safe_reader  # noqa: E402
 from fsdpkit.cli.main import main  # noqa: E402
 from fsdpkit.cli.resume_check import resume_check  # noqa: E402
@@ -90,21 +92,22 @@ def test_async_staging_buffer_is_pinned_reused_and_exact():
         saver.close()
 
 
-def test_lora_dropout_on_cuda_continues_the_saved_rng_stream(tmp_path):
+def test_lora_dropout_on_cuda_continues_the_saved_rng_stream(tmp_path, monkeypatch):
     """LoRA dropout draws from CUDA's generator: the resume is bitwise only if that generator's
-    state was saved and restored. Left unrestored (a test hook), the same check fails."""
+    state was saved and restored. Left unrestored (injected: tests/faults), the same check fails."""
     args = [*LORA, "model.peft.dropout=0.2", *CUDA, *SMALL, "deterministic=true", "data.seq_len=32"]
     assert resume_check(overrides=args, nproc=1, resume_nproc=1, steps=6, save_at=3, work_dir=tmp_path / "kept") == 0
     assert resume_events(tmp_path / "kept" / "resumed") == [(3, 1)]
 
-    def drop_rng(run: Path) -> None:
-        os.environ["FSDPKIT_TEST_SKIP_RESTORE"] = "rng"
+    marker = tmp_path / "faults.jsonl"
 
-    try:
-        code = resume_check(overrides=args, nproc=1, resume_nproc=1, steps=6, save_at=3, work_dir=tmp_path / "dropped",
-                            before_resume=drop_rng)
-    finally:
-        os.environ.pop("FSDPKIT_TEST_SKIP_RESTORE", None)
+    def drop_rng(run: Path) -> None:  # the resumed run is an `fsdpkit train` launch: it inherits os.environ
+        for key, value in faults_env(skip_restore("rng"), marker=marker).items():
+            monkeypatch.setenv(key, value)
+
+    code = resume_check(overrides=args, nproc=1, resume_nproc=1, steps=6, save_at=3, work_dir=tmp_path / "dropped",
+                        before_resume=drop_rng)
+    assert [(f["name"], f["rank"]) for f in fired(marker)] == [("rng", 0)]  # the RNG restore was skipped, once
     assert code == 1
     assert resume_events(tmp_path / "dropped" / "resumed") == [(3, 1)]  # it resumed: only the RNG differs
 

@@ -15,6 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, fsdpkit  # noqa: E402
+from faults import env as faults_env  # noqa: E402
+from faults import fired, kill_mid_write, mid_tensor_bytes  # noqa: E402
 from fsdpkit.checkpoint.errors import CheckpointCorruptError  # noqa: E402
 from fsdpkit.checkpoint.hashing import file_checksum  # noqa: E402
 from fsdpkit.checkpoint.manifest import SEAL, manifest_digest  # noqa: E402
@@ -40,12 +42,18 @@ def uninterrupted(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_rank_killed_mid_save_keeps_latest_and_auto_resume_is_exact(uninterrupted, tmp_path, mode):
-    run = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FSDPKIT_TEST_KILL_DURING_SAVE": "8:1"}
+    run, marker = tmp_path / "run", tmp_path / "faults.jsonl"
+    # rank 1 dies halfway through the tensor bytes of its step-8 shard (its size: the uninterrupted run's)
+    first_tensor, size, after = mid_tensor_bytes(uninterrupted / "checkpoints" / "step_8", rank=1)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           **faults_env(kill_mid_write(step=8, rank=1, after_bytes=after), marker=marker)}
     extra = ["checkpoint.async=true", "checkpoint.exception_timeout_s=5", "checkpoint.timeout_s=30"] if mode == "async" else []
     killed = subprocess.run([sys.executable, "-m", "fsdpkit", "train", *ARGS, *extra, f"run_dir={run}"],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert killed.returncode != 0
+    (kill,) = fired(marker)  # it landed where it should: in rank 1's shard of step 8, past the first tensor's start
+    assert (kill["step"], kill["rank"], kill["file"]) == (8, 1, "__1_0.distcp"), kill
+    assert first_tensor < kill["bytes_written"] == after < size, (kill, first_tensor, size)
     assert "rank0 ERROR] lost rank(s) 1: no answer" in killed.stderr  # the survivor names the rank it lost
     if mode == "async":  # rank 1 died in the background write of step 8, while training ran on
         assert "checkpoint step_4 (async" in killed.stderr

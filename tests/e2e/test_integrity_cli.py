@@ -15,6 +15,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, fsdpkit  # noqa: E402
+from faults import env as faults_env  # noqa: E402
+from faults import fired, manifest_enospc  # noqa: E402
 from fsdpkit.checkpoint.manifest import read_manifest  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
 
@@ -111,17 +113,22 @@ def test_unusable_directories_stop_before_the_first_step(tmp_path):
 
 
 def test_a_full_disk_at_the_manifest_fails_the_save_on_every_rank_at_once(tmp_path):
-    run = tmp_path / "run"
+    run, marker = tmp_path / "run", tmp_path / "faults.jsonl"
     t0 = time.monotonic()
     proc = _train(run, "train.max_steps=8", "checkpoint.every_steps=4", "checkpoint.exception_timeout_s=300",
-                  "checkpoint.timeout_s=300", nproc=2, env={"FSDPKIT_TEST_FAIL_MANIFEST": "4"})
+                  "checkpoint.timeout_s=300", nproc=2, env=faults_env(manifest_enospc(step=4), marker=marker))
     elapsed = time.monotonic() - t0
     assert proc.returncode != 0
+    # the disk filled in the fsync of step 4's manifest, on rank 0 (the one that commits); the
+    # on_exception save of the same step that may follow finds it full too
+    ckpts = run / "checkpoints"
+    landed = [(f["op"], f["path"], f["rank"]) for f in fired(marker)]
+    assert landed[0] == ("fsync", str(ckpts / "step_4" / ".manifest.json.tmp"), 0), proc.stderr[-3000:]
+    assert set(landed[1:]) <= {("fsync", str(ckpts / "on_exception" / ".manifest.json.tmp"), 0)}, landed
     for rank in (0, 1):  # each rank logs it before the on_exception vote, which needs them all
         assert f"rank {rank}: training failed with CheckpointSaveError: saving" in proc.stderr, proc.stderr[-4000:]
     assert "could not write" in proc.stderr and "No space left on device" in proc.stderr
     assert elapsed < 240, f"ranks waited for a timeout ({elapsed:.0f} s) instead of learning of the failure at once"
-    ckpts = run / "checkpoints"
     assert not (ckpts / "step_4").exists() and not (ckpts / "latest").exists()
     events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert not any(e.get("event") == "checkpoint" for e in events)

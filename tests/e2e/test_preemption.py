@@ -16,6 +16,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, fsdpkit  # noqa: E402
+from faults import env as faults_env  # noqa: E402
+from faults import fired, raise_at  # noqa: E402
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
 
@@ -99,13 +101,14 @@ def test_preemption_saves_commits_exits_75_and_resume_is_bit_identical(tmp_path)
 
 
 def test_failure_on_one_rank_ends_every_rank_with_the_original_traceback(tmp_path):
-    run = tmp_path / "run"
-    env = {**ENV, "FSDPKIT_TEST_RAISE_AT": "5:1"}
+    run, marker = tmp_path / "run", tmp_path / "faults.jsonl"
+    env = {**ENV, **faults_env(raise_at(step=5, rank=1), marker=marker)}
     t0 = time.monotonic()
     proc = start(run, "checkpoint.exception_timeout_s=5", "checkpoint.every_steps=2", env=env)
     _, err = proc.communicate(timeout=180)
     elapsed = time.monotonic() - t0
     assert proc.returncode == 1
+    assert [(f["step"], f["rank"]) for f in fired(marker)] == [(5, 1)]  # raised there, and only there
     assert "Traceback (most recent call last)" in err
     assert "RuntimeError: injected failure at step 5 on rank 1" in err
     assert "not saving on_exception" in err

@@ -15,6 +15,8 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from faults import env as faults_env  # noqa: E402
+from faults import fired, kill_mid_write, mid_tensor_bytes  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
 from nodes import Node, kill_tree, run_nodes, start_nodes, wait_all  # noqa: E402
 
@@ -100,10 +102,13 @@ def test_a_node_dies_mid_step_and_mid_save_and_both_launchers_resume_exactly(tmp
     assert latest(run) == f"step_{EVERY}" and not (run / "checkpoints" / f"step_{2 * EVERY}").exists()
     step_failure = nodes[1 - victim].stderr()
 
-    # 2. Mid-save: both launchers rerun (auto-resume from step 5); rank 3 dies in the middle of
-    # writing step 15, and the rest of its node is killed with it.
+    # 2. Mid-save: both launchers rerun (auto-resume from step 5); rank 3 dies halfway through the
+    # tensor bytes of its step-15 shard (sized like its step-5 one), and the rest of its node is
+    # killed with it.
+    first_tensor, size, after = mid_tensor_bytes(run / "checkpoints" / f"step_{EVERY}", rank=3)
+    marker = tmp_path / "faults.jsonl"
     nodes = start_nodes([*ARGS, f"run_dir={run}"], logs=tmp_path / "logs_save",
-                        env={**ENV, "FSDPKIT_TEST_KILL_DURING_SAVE": f"{3 * EVERY}:3"})
+                        env={**ENV, **faults_env(kill_mid_write(step=3 * EVERY, rank=3, after_bytes=after), marker=marker)})
     placement = rank_map(nodes)
     victim = 0 if 3 in placement[0] else 1
     psutil.wait_procs([placement[victim][3]], timeout=600)
@@ -111,6 +116,9 @@ def test_a_node_dies_mid_step_and_mid_save_and_both_launchers_resume_exactly(tmp
     kill_tree(nodes[victim])
     lost_in_save = sorted(placement[victim])
     figures["save"] = survivors_exit(nodes[1 - victim], placement[1 - victim], t0)
+    (kill,) = fired(marker)  # rank 3 died where it should: inside the tensor bytes of its step-15 shard
+    assert (kill["step"], kill["rank"], kill["file"]) == (3 * EVERY, 3, "__3_0.distcp"), kill
+    assert first_tensor < kill["bytes_written"] == after < size, (kill, first_tensor, size)
     assert resume_steps(run) == [EVERY]
     assert figures["save"][0] < BOUND_S and figures["save"][1] != 0
     partial = run / "checkpoints" / f"step_{3 * EVERY}"

@@ -8,7 +8,7 @@ Phases, run in this order by test_s3.py (run directories are local, checkpoints 
          local copy, restarted three times (the copy read; a copy whose manifest changed skipped; a
          copy with a corrupt shard moved aside and the bucket read)
   kill:  resumes s3://BUCKET/src from step 4 and saves step 8 with rank 1 SIGKILLed mid-upload
-         (FSDPKIT_TEST_KILL_DURING_SAVE=8:1 set by the test): this launch fails
+         (by the fault tests/faults injects, armed by the test's environment): this launch fails
   ws3:   model.init_from=hf: the source's step 4 exported as a Hugging Face folder, from local disk and
          from s3://BUCKET/hf (3 ranks, dumped before any step); auto-resume of s3://BUCKET/src on 3
          ranks (must pick step 4); the 2->3 elastic load of s3://BUCKET/src/checkpoints/step_4 into a

@@ -17,6 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, torchrun  # noqa: E402
+from faults import env as faults_env  # noqa: E402
+from faults import fired, kill_mid_write, mid_tensor_bytes  # noqa: E402
 from fsdpkit.checkpoint.errors import UnsafeCheckpointError  # noqa: E402
 
 pytestmark = pytest.mark.dist
@@ -43,9 +45,14 @@ def runs(s3, tmp_path_factory):
     res.update(json.loads((out / "ws2.json").read_text()))
     fs = s3fs.S3FileSystem(use_listings_cache=False)
     res["latest_before_kill"] = fs.cat_file(f"{bucket}/src/checkpoints/latest").decode().strip()
+    # rank 1 dies halfway through the tensor bytes of its step-8 shard (sized like its step-4 one)
+    first_tensor, size, after = mid_tensor_bytes(f"s3://{bucket}/src/checkpoints/step_4", rank=1)
+    marker = out / "faults.jsonl"
     killed = _launch_expecting_failure(2, "kill", str(out / "kill.json"), str(work), bucket,
-                                       env={**s3.env, "FSDPKIT_TEST_KILL_DURING_SAVE": "8:1"})
+                                       env={**s3.env, **faults_env(kill_mid_write(step=8, rank=1, after_bytes=after),
+                                                                   marker=marker)})
     res["killed_stderr"] = killed.stderr
+    res["kill_fired"], res["kill_span"] = fired(marker), (first_tensor, after, size)
     res["latest_after_kill"] = fs.cat_file(f"{bucket}/src/checkpoints/latest").decode().strip()
     res["step8_after_kill"] = sorted(p.rsplit("/", 1)[-1] for p in fs.find(f"{bucket}/src/checkpoints/step_8"))
     # the source run's step 4 as a Hugging Face folder, on local disk and in the bucket (init_from)
@@ -89,6 +96,9 @@ def test_retention_on_s3_keeps_the_newest_and_latest(runs):
 def test_rank_killed_mid_upload_leaves_latest_on_the_previous_checkpoint(runs):
     res, _, bucket, _ = runs
     assert res["latest_before_kill"] == "step_4"
+    (kill,), (first_tensor, after, size) = res["kill_fired"], res["kill_span"]  # it landed in the upload's tensor bytes
+    assert (kill["step"], kill["rank"], kill["file"]) == (8, 1, "__1_0.distcp"), kill
+    assert first_tensor < kill["bytes_written"] == after < size, (kill, first_tensor, size)
     assert "SIGKILL" in res["killed_stderr"]  # the launch failed because rank 1 was killed
     assert res["latest_after_kill"] == "step_4"
     assert "manifest.json" not in res["step8_after_kill"]  # never committed

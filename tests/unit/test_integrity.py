@@ -8,20 +8,23 @@ import json
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from fsdpkit.checkpoint import Checkpointer, resume
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from faults import fired, injected, manifest_enospc  # noqa: E402
+from fsdpkit.checkpoint import Checkpointer, resume  # noqa: E402
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, ON_EXCEPTION, swap_in
 from fsdpkit.checkpoint.manifest import SEAL, manifest_digest, read_manifest
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim
 from fsdpkit.checkpoint.resume import committed_candidates, load_checkpoint, resolve_checkpoint
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
-from fsdpkit.checkpoint.save import FAIL_MANIFEST_ENV, save_checkpoint
+from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.cli.main import main
 
@@ -162,17 +165,25 @@ def test_a_manifest_downgraded_to_format_1_is_corrupt_not_unsealed(tmp_path, sea
 
 
 # -- replacing a committed checkpoint ------------------------------------------------------------
-def test_a_failed_replacement_keeps_the_committed_checkpoint(tmp_path, monkeypatch):
+@pytest.fixture
+def marker(tmp_path_factory) -> Path:
+    """Where the injected faults record that they fired (beside, not inside, the test's directory)."""
+    return tmp_path_factory.mktemp("faults") / "fired.jsonl"
+
+
+def test_a_failed_replacement_keeps_the_committed_checkpoint(tmp_path, marker):
     target = _target()
     path = tmp_path / ON_EXCEPTION
     _save(target, path, 5)
     before = {p.name: p.read_bytes() for p in path.iterdir()}
-    monkeypatch.setenv(FAIL_MANIFEST_ENV, "7")
-    with pytest.raises(CheckpointSaveError, match=r"could not write .*manifest.json \(\[Errno 28\] No space left"):
+    with injected(manifest_enospc(step=7, op="rename"), marker=marker), \
+            pytest.raises(CheckpointSaveError, match=r"could not write .*manifest.json \(\[Errno 28\] No space left"):
         _save(target, path, 7)
+    # the disk filled at the rename of the replacement's manifest, beside the committed checkpoint
+    assert [(f["op"], f["path"]) for f in fired(marker)] == [
+        ("rename", str(tmp_path / (ON_EXCEPTION + INCOMING) / MANIFEST))]
     assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # untouched, still committed
     assert read_manifest(path)["step"] == 5 and not (tmp_path / (ON_EXCEPTION + INCOMING)).exists()
-    monkeypatch.delenv(FAIL_MANIFEST_ENV)
     _save(target, path, 7)
     assert read_manifest(path)["step"] == 7
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, ON_EXCEPTION]
@@ -190,12 +201,15 @@ def test_a_replacement_interrupted_before_the_swap_is_found_and_finished(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step_4"]
 
 
-def test_a_failed_manifest_write_leaves_no_debris_and_latest_unmoved(root, monkeypatch):
-    monkeypatch.setenv(FAIL_MANIFEST_ENV, "3")
-    with pytest.raises(CheckpointSaveError, match="the previous checkpoint stays latest"):
+@pytest.mark.parametrize("op", ["fsync", "rename"])
+def test_a_failed_manifest_write_leaves_no_debris_and_latest_unmoved(root, marker, op):
+    with injected(manifest_enospc(step=3, op=op), marker=marker), \
+            pytest.raises(CheckpointSaveError, match=r"could not write .*step_3/manifest.json \(\[Errno 28\] No space"):
         _save(_target(), root / "step_3", 3)
+    tmp = root / "step_3" / f".{MANIFEST}.tmp"  # the fsync fails on the temporary file, the rename onto the manifest
+    assert [(f["op"], f["path"]) for f in fired(marker)] == [(op, str(tmp if op == "fsync" else root / "step_3" / MANIFEST))]
     assert not (root / "step_3").exists() and (root / LATEST).read_text().strip() == "step_2"
-    assert not list(root.glob("step_2/.*.tmp"))
+    assert not list(root.glob("step_*/.*.tmp"))
 
 
 # -- one run per directory --------------------------------------------------------------------

@@ -26,7 +26,6 @@ barrier all go through it (sharing the training group from two threads mismatche
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -52,12 +51,6 @@ from fsdpkit.checkpoint.staging import (
 from fsdpkit.checkpoint.state import CheckpointTarget
 
 log = logging.getLogger("fsdpkit.checkpoint")
-# Test hook: seconds the background thread sleeps before writing, so that tests can train on
-# while a save is provably still in flight.
-SLOW_WRITE_ENV = "FSDPKIT_TEST_SLOW_WRITE_S"
-# Test hook: seconds the background thread sleeps before a background-staging copy, so that tests
-# can prove that the next optimizer step waits for it.
-SLOW_STAGING_ENV = "FSDPKIT_TEST_SLOW_STAGING_S"
 
 
 @dataclass
@@ -144,12 +137,10 @@ class AsyncSaver:
             try:
                 if background:
                     try:
-                        time.sleep(float(os.environ.get(SLOW_STAGING_ENV, 0)))
                         with torch.no_grad():  # the tensor checksums come from the copy's own pass
                             staged.shares = stage_hashing(live.state, staged.state, group=self.group)
                     finally:
                         copied.set()  # an error is raised by wait(); the loop must not hang on it
-                time.sleep(float(os.environ.get(SLOW_WRITE_ENV, 0)))
                 manifest = write_snapshot(staged, ckpt_dir=ckpt_dir, group=self.group, thread_count=self.thread_count,
                                           on_commit=on_commit, mirror=self.mirror)
             finally:

@@ -15,15 +15,15 @@ from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
 from fsdpkit.checkpoint.storage import RemotePath
 
 
-def hashing_writer(into: Path | RemotePath, *, thread_count: int, die_mid_write: bool = False,
+def hashing_writer(into: Path | RemotePath, *, thread_count: int,
                    mirror: Mirror | None = None) -> tuple[FileSystemWriter, HashingFileSystem]:
     """(writer, its filesystem): after dcp.save, `fs.files` holds every written file's size and
     checksum. A remote `into` is also copied into `mirror` (checkpoint.local_dir), if given."""
     if isinstance(into, RemotePath):
         from fsdpkit.checkpoint.safe_fsspec import fsspec_writer
 
-        return fsspec_writer(into, thread_count=thread_count, die_mid_write=die_mid_write, mirror=mirror)
-    fs = HashingFileSystem(die_mid_write=die_mid_write)
+        return fsspec_writer(into, thread_count=thread_count, mirror=mirror)
+    fs = HashingFileSystem()
     writer = FileSystemWriter(into, sync_files=True, thread_count=thread_count)
     writer.fs = fs
     return writer, fs

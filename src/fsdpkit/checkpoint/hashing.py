@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import io
 import mmap
-import os
-import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -211,12 +209,11 @@ class HashingFileSystem(FileSystemBase):
     """A DCP FileSystem (`base`: the local one by default, or DCP's fsspec one for URLs) that
     records size and checksum of every file it writes; everything else is `base`'s."""
 
-    def __init__(self, *, die_mid_write: bool = False, base: FileSystemBase | None = None) -> None:
+    def __init__(self, *, base: FileSystemBase | None = None) -> None:
         super().__init__()
         self.base = base if base is not None else FileSystem()
         self.files: dict[str, dict[str, int | str]] = {}
         self._lock = threading.Lock()
-        self._die_mid_write = die_mid_write
 
     def concat_path(self, path, suffix):
         return self.base.concat_path(path, suffix)
@@ -256,10 +253,6 @@ class HashingFileSystem(FileSystemBase):
                 self.files[name] = {"size": size, HASH_NAME: digest}
 
         with self.base.create_stream(path, mode) as raw:
-            if self._die_mid_write:  # test hook (see save.KILL_DURING_SAVE_ENV): a rank dying mid-write
-                raw.write(b"partial")
-                raw.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
             stream = _HashingStream(raw, record, Path(path) if isinstance(self.base, FileSystem) else None)
             try:
                 yield stream

@@ -53,9 +53,6 @@ from fsdpkit.config.schema import CheckpointConfig
 from fsdpkit.dist import on_main
 
 log = logging.getLogger("fsdpkit.checkpoint")
-# Test hook: comma-separated Stateful names (e.g. "scheduler,data") not restored on resume, to
-# prove that `fsdpkit resume-check` catches state that a resume loses.
-SKIP_RESTORE_ENV = "FSDPKIT_TEST_SKIP_RESTORE"
 METRICS_IN_MANIFEST = ("loss", "val_loss", "grad_norm")
 _LAST_STEP = object()  # on_exception's default boundary: the last step passed to step()
 __all__ = ["EXIT_PREEMPTED", "CheckpointGroups", "Checkpointer", "Resumed", "find_checkpoint"]
@@ -352,8 +349,7 @@ class Checkpointer:
     def _load(self, path: CkptPath, *, verify_files: bool = False) -> LoadReport:
         model_only = self.cfg.resume_mode == "model_only"
         report = load_checkpoint(self.target, path, fingerprint=self.fingerprint(), group=self.group,
-                                 model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files,
-                                 skip=frozenset(filter(None, os.environ.get(SKIP_RESTORE_ENV, "").split(","))))
+                                 model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files)
         manifest = report.manifest
         what = "model weights only (optimizer, schedule, counters and data start fresh)" if model_only else "full state"
         checked = ("restored state not verified (checkpoint.verify_on_load=false)" if report.verify_s is None

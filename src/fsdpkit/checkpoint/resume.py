@@ -172,12 +172,10 @@ def load_checkpoint(
     model_only: bool = False,
     verify: bool = True,
     verify_files: bool = False,
-    skip: frozenset[str] = frozenset(),
 ) -> LoadReport:
     """Load `ckpt_dir` into `target` (resharding to the current world size as needed).
 
-    Checks the model fingerprint before touching any state. `skip` names Stateful pieces (or `rng`)
-    left unrestored (only tests use it, to prove that resume-check notices a lost piece of state). With `verify`, recomputes per-tensor
+    Checks the model fingerprint before touching any state. With `verify`, recomputes per-tensor
     checksums of what was restored and compares them with the manifest. With `verify_files`,
     checks every file's checksum from the bytes read for loading (see verified_read.py): for a
     checkpoint that `resolve_checkpoint(verify_checksums=False)` found, in one read instead of two.
@@ -204,8 +202,8 @@ def load_checkpoint(
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
     if not model_only:
-        _restore_stateful(target, manifest, tensors, skip=skip, ckpt_dir=ckpt_dir)
-        if rng is not None and "rng" not in skip:
+        _restore_stateful(target, manifest, tensors, ckpt_dir=ckpt_dir)
+        if rng is not None:
             restore_rng(rng)
     t_load = time.perf_counter()
     verify_s = None
@@ -239,15 +237,13 @@ def check_optimizer(manifest: dict[str, Any], target: CheckpointTarget, *, ckpt_
 
 
 def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensors: dict[str, Any], *,
-                      skip: frozenset[str], ckpt_dir: Path) -> None:
-    missing = sorted(target.stateful.keys() - manifest["trainer"].keys() - skip)
+                      ckpt_dir: Path) -> None:
+    missing = sorted(target.stateful.keys() - manifest["trainer"].keys())
     if missing:
         raise CheckpointMismatchError(
             f"checkpoint {ckpt_dir} holds no state for {', '.join(missing)} (it has {sorted(manifest['trainer'])}); "
             "it was saved by a different loop. Resume with checkpoint.resume_mode=model_only, or start fresh")
     for name, obj in target.stateful.items():
-        if name in skip:
-            continue
         try:
             obj.load_state_dict(join_tensors(manifest["trainer"][name], tensors))
         except (KeyError, TypeError, ValueError) as e:

@@ -64,7 +64,7 @@ class UploadingFileSystem(DcpFsspecFileSystem):
             os.replace(self.mirror / Path(str(path)).name, self.mirror / Path(str(new_path)).name)
 
 
-def fsspec_writer(into: RemotePath, *, thread_count: int, die_mid_write: bool,
+def fsspec_writer(into: RemotePath, *, thread_count: int,
                   mirror: Mirror | None = None) -> tuple[FsspecWriter, HashingFileSystem]:
     """A DCP writer into `into` whose files are checksummed as they stream out. sync_files=False:
     an object is durable once its upload completes (on close); DCP would otherwise call os.sync()
@@ -74,6 +74,6 @@ def fsspec_writer(into: RemotePath, *, thread_count: int, die_mid_write: bool,
     writer = FsspecWriter(into.url, sync_files=False, thread_count=thread_count)
     uploads = UploadingFileSystem()
     uploads.fs, uploads.mirror = into.fs, (mirror.start_writing(into) if mirror is not None else None)
-    fs = HashingFileSystem(die_mid_write=die_mid_write, base=uploads)
+    fs = HashingFileSystem(base=uploads)
     writer.fs = fs
     return writer, fs

@@ -9,10 +9,8 @@ instead of hanging it; the previous checkpoint then stays `latest`.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -42,16 +40,7 @@ from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
 from fsdpkit.checkpoint.storage import remove_tree
 
-# Test hook: "<step>:<rank>" makes that rank SIGKILL itself in the middle of writing that step's
-# checkpoint, as a crash or an OOM kill would (tests prove `latest` then stays on the previous one).
-KILL_DURING_SAVE_ENV = "FSDPKIT_TEST_KILL_DURING_SAVE"
-# Test hook: "<step>" makes rank 0's manifest write of that step fail with ENOSPC (a full disk).
-FAIL_MANIFEST_ENV = "FSDPKIT_TEST_FAIL_MANIFEST"
 log = logging.getLogger("fsdpkit.checkpoint")
-
-
-def _dies_during_this_save(step: int, rank: int) -> bool:
-    return os.environ.get(KILL_DURING_SAVE_ENV, "") == f"{step}:{rank}"
 
 
 def checksummed_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -218,11 +207,9 @@ def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.Proce
     """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
     Safe to run on a background thread when `group` is used by nothing else meanwhile. A remote
     checkpoint's files are also written to `mirror`, if given (mirror.py)."""
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
 
     def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # every rank writes its shards through DCP
-        writer, fs = hashing_writer(into, thread_count=thread_count, mirror=mirror,
-                                    die_mid_write=_dies_during_this_save(snapshot.step, rank))
+        writer, fs = hashing_writer(into, thread_count=thread_count, mirror=mirror)
         with zip_crc32_off():
             dcp.save(snapshot.state, storage_writer=writer, process_group=group)
         return _gather(fs.files, group), {}
@@ -324,8 +311,6 @@ def _publish(manifest: dict[str, Any], *, into: CkptPath, final: CkptPath,
     """Rank 0: write the manifest (the commit), swap a replacement in, move `latest`, run
     `on_commit`. Returns None, or why the checkpoint was not committed."""
     try:
-        if os.environ.get(FAIL_MANIFEST_ENV) == str(manifest["step"]):
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(into / MANIFEST))
         write_manifest(into, manifest)
     except OSError as e:
         remove_tree(into)  # this save's own uncommitted files: give the space back

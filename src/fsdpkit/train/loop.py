@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -33,16 +32,6 @@ from fsdpkit.train.state import TrainState
 
 # Moved to fsdpkit.train.loss; callers import them from here too.
 __all__ = ["Trainer", "masked_loss_sum", "micro_batch_loss", "summarize", "token_loss_sum"]
-
-# Test hook: "<step>:<rank>" (or "<step>:*" for every rank) raises in that step, before its
-# optimizer update, as a bug or a bad batch would.
-RAISE_AT_ENV = "FSDPKIT_TEST_RAISE_AT"
-
-
-def _raise_if_injected(step: int, rank: int) -> None:
-    spec = os.environ.get(RAISE_AT_ENV)
-    if spec and spec in (f"{step}:{rank}", f"{step}:*"):
-        raise RuntimeError(f"injected failure at step {step} on rank {rank} ({RAISE_AT_ENV})")
 
 
 @dataclass
@@ -110,7 +99,6 @@ class Trainer:
             if terms.aux is not None:
                 aux_sum += terms.aux.detach()
                 has_aux = True
-        _raise_if_injected(self.state.step + 1, rank)
         watchdog.doing(f"step {step}: grad clipping and optimizer update")
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # skips params without grads
         self.diagnostics.check_grad_norm(grad_norm, parameters=self.model.parameters(), max_norm=self.grad_clip)
