@@ -1,5 +1,5 @@
-"""Faults injected from the test side: fsdpkit has no test hooks (no FSDPKIT_TEST_* variables, no
-"if testing" branches); tests hurt it through the seams a user could plug into as well.
+"""Faults injected from the test side: fsdpkit has no test hooks (no test-only environment variables,
+no "if testing" branches); tests hurt it through the seams a user could plug into as well.
 
     from faults import env, fired, injected, kill_mid_write
 

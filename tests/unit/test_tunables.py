@@ -112,10 +112,6 @@ def test_the_module_imports_nothing_of_fsdpkit():
 
 SCANNED = ("README.md", "Makefile", "docs", "tests", "bench", "chaos", "examples", "src")
 SUFFIXES = {".py", ".md", ".txt", ".yaml", ".yml", ".toml", ".json", ".sh", ".cfg", ".ini", ".c", ""}
-# FSDPKIT_TEST_* are the library's fault-injection hooks, being removed from src on another branch
-# (the tests will inject faults through the same seams a user could plug into); until that lands
-# they are the only FSDPKIT_* names that are not tunables.
-ALLOWED_PREFIX = "FSDPKIT_TEST_"
 
 
 def test_every_fsdpkit_variable_named_in_the_repository_is_declared():
@@ -129,6 +125,6 @@ def test_every_fsdpkit_variable_named_in_the_repository_is_declared():
                 continue  # not ours to scan: caches and pip's build metadata (a copy of an older README)
             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
                 for name in re.findall(r"FSDPKIT_[A-Z0-9_]+", line):
-                    if name not in declared and not name.startswith(ALLOWED_PREFIX):
+                    if name not in declared:
                         unknown.append(f"{path.relative_to(ROOT)}:{number}: {name}")
     assert not unknown, "FSDPKIT_* names not declared in src/fsdpkit/tunables.py:\n" + "\n".join(unknown)
