@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-cuda multinode chaos bench bench-gpu lint clean
+.PHONY: demo test test-cuda multinode chaos bench bench-gpu lint clean docs docs-serve
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,15 @@ demo: $(STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+
+# The documentation site (MkDocs + Material): built with warnings as errors (a broken link, a missing
+# page or a stale reference fails); the reference pages are generated from the code (docs/hooks.py).
+# tests/unit/test_docs.py runs the same build in `make test`.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve
 
 # Simulated nodes: several torchrun launchers on loopback; a node killed mid-step and mid-save;
 # resume across meshes through the CLI (minutes; not part of `make test`).
@@ -49,10 +58,10 @@ bench-gpu: $(STAMP)
 	$(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_checkpoint.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench examples chaos
+	$(BIN)/ruff check src tests bench examples chaos docs
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site
 
 # Seeded fault injection (minutes to an hour; not part of `make test`). CHAOS_ARGS="--scale 0.1" for a quick run.
 chaos: $(STAMP)

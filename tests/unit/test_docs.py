@@ -1,0 +1,127 @@
+"""The documentation site: it builds with no warning, its generated reference names every config
+option, CLI flag, environment variable and public name of fsdpkit.checkpoint, and the snippets
+marked runnable in docs/ run.
+
+A snippet is runnable when the line before its fence is `<!-- runnable -->`; the blocks of one page
+run in order in one fresh directory (a later block may use what an earlier one wrote), `bash` blocks
+with `set -euo pipefail` and `fsdpkit` meaning this checkout's `python -m fsdpkit`, `python` blocks
+with this interpreter. Keep them to seconds.
+"""
+
+from __future__ import annotations
+
+import html
+import importlib.util
+import inspect
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsdpkit import tunables
+from fsdpkit.config.docs import iter_options
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+RUNNABLE = re.compile(r"^<!-- runnable -->\n```(bash|python)[^\n]*\n(.*?)^```", re.M | re.S)
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+       "NO_MKDOCS_2_WARNING": "1", "OMP_NUM_THREADS": "1"}
+
+
+def _hooks():
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("site")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(out)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"mkdocs build --strict failed (run `make docs`):\n{log[-6000:]}"
+    assert "WARNING" not in log, f"mkdocs build warned:\n{log[-6000:]}"
+    return out
+
+
+def _page(site: Path, name: str) -> str:
+    return html.unescape((site / "reference" / name / "index.html").read_text())
+
+
+def test_the_site_builds_strictly(site):
+    for page in ("index.html", "checkpoint-format/index.html", "results/index.html", "reference/cli/index.html"):
+        assert (site / page).is_file(), page
+
+
+def test_every_config_option_is_in_the_reference(site):
+    text = _page(site, "config")
+    missing = [key for key, *_ in iter_options() if f"<code>{key}</code>" not in text]
+    assert not missing, f"reference/config.md lacks {missing} (docs/hooks.py config_page)"
+
+
+def test_every_cli_command_and_flag_is_in_the_reference(site):
+    text = _page(site, "cli")
+    missing = []
+    for path, parser in _hooks().cli_commands():
+        if f"<code>{path}</code>" not in text:
+            missing.append(path)
+        for action in parser._actions:  # argparse lists its arguments nowhere public
+            for flag in action.option_strings:
+                if flag not in ("-h", "--help") and f"<code>{flag}</code>" not in text:
+                    missing.append(f"{path} {flag}")
+    assert len(_hooks().cli_commands()) >= 8  # fsdpkit, train, resume-check, config, ckpt and its four, plot
+    assert not missing, f"reference/cli.md lacks {missing} (docs/hooks.py cli_page)"
+
+
+def test_every_environment_variable_is_in_the_reference(site):
+    text = _page(site, "environment")
+    missing = [spec.env for spec in tunables.declared() if f"<code>{spec.env}</code>" not in text]
+    assert not missing, f"reference/environment.md lacks {missing}"
+
+
+def test_every_public_name_of_fsdpkit_checkpoint_is_in_the_api_reference(site):
+    import fsdpkit.checkpoint as package
+
+    text = _page(site, "api")
+    modules = _hooks().api_names()
+    ids = [f"{modules[name]}.{name}" for name in package.__all__]
+    for name in package.__all__:  # and the public methods of its classes
+        obj = getattr(package, name)
+        if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            ids += [f"{modules[name]}.{name}.{m}" for m, _ in inspect.getmembers(obj, callable)
+                    if not m.startswith("_") and m in vars(obj)]
+    missing = [i for i in ids if f'id="{i}"' not in text]
+    assert "fsdpkit.checkpoint.manager.Checkpointer.resume" in ids
+    assert not missing, f"reference/api.md lacks {missing}"
+
+
+def _runnable_pages() -> dict[str, list[tuple[str, str]]]:
+    pages = {}
+    for path in sorted(DOCS.rglob("*.md")):
+        blocks = RUNNABLE.findall(path.read_text())
+        if blocks:
+            pages[str(path.relative_to(DOCS))] = blocks
+    return pages
+
+
+def test_the_runnable_snippets_are_where_the_docs_say():
+    assert {"tutorials/demo.md", "tutorials/own-loop.md"} <= set(_runnable_pages())
+
+
+@pytest.mark.parametrize("page", sorted(_runnable_pages()))
+def test_runnable_snippets(page, tmp_path):
+    for number, (language, code) in enumerate(_runnable_pages()[page], 1):
+        if language == "bash":
+            script = f'set -euo pipefail\nfsdpkit() {{ "{sys.executable}" -m fsdpkit "$@"; }}\n{code}'
+            cmd = ["bash", "-c", script]
+        else:
+            (tmp_path / f"snippet{number}.py").write_text(code)
+            cmd = [sys.executable, f"snippet{number}.py"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (f"{page}: runnable snippet {number} ({language}) failed "
+                                      f"({proc.returncode}):\n{code}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
