@@ -172,7 +172,8 @@ def describe(beats: dict[int, dict[str, Any]], *, stale: list[int], world_size: 
 _current: Watchdog | None = None
 
 
-def start(*, store: tdist.Store, rank: int, world_size: int, interval_s: float, slow_step_factor: float) -> Watchdog | None:
+def start(*, store: tdist.Store, rank: int, world_size: int, interval_s: float,
+          slow_step_factor: float) -> Watchdog | None:
     """Start this rank's heartbeat (a no-op with interval_s=0 or a world of one)."""
     global _current
     if interval_s <= 0 or world_size == 1:

@@ -44,7 +44,8 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(out, str(path))
 
 
-def write_full(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None) -> dict[str, Any]:
+def write_full(target: CheckpointTarget, ckpt_dir: Path, *, rank: int,
+               group: tdist.ProcessGroup | None) -> dict[str, Any]:
     """Gather and write; collective. Returns (on rank 0) the manifest's `files` and param groups."""
     if target.optimizer is not None:
         model_sd, optim_sd = get_state_dict(target.model, target.optimizer, options=GATHER)

@@ -345,7 +345,8 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         located: list[tuple[ReadItem, int, str, futures.Future]] = []
         done: list[tuple[ReadItem, torch.Tensor, futures.Future]] = []
         # The pool is left first (its reads finished, even on an error), then the files are closed.
-        with ExitStack() as files, ThreadPoolExecutor(max_workers=ROW_READ_THREADS, thread_name_prefix="fsdpkit-load-rows") as pool:
+        with ExitStack() as files, ThreadPoolExecutor(max_workers=ROW_READ_THREADS,
+                                                      thread_name_prefix="fsdpkit-load-rows") as pool:
             for name, reqs in in_part.items():
                 path = self.fs.concat_path(self.path, name)
                 file = files.enter_context(open(path, "rb"))  # noqa: SIM115
@@ -372,7 +373,8 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 straight = target.is_contiguous() and target.dtype == payload.dtype
                 out = target if straight else torch.empty(tuple(req.lengths), dtype=payload.dtype)
                 start, nbytes = span
-                job = functools.partial(_pread_exactly, fd, out, info.offset + payload.data_start + start, nbytes, where=where)
+                job = functools.partial(_pread_exactly, fd, out, info.offset + payload.data_start + start, nbytes,
+                                        where=where)
                 if straight:
                     done.append((req, target, pool.submit(job)))
                 else:  # a cast: one temporary at a time

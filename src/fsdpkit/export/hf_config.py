@@ -32,7 +32,8 @@ def is_tied(model_cfg: dict[str, Any] | None) -> bool:
     return bool(model_cfg.get("tie_word_embeddings", False))
 
 
-def hf_configs(model_cfg: dict[str, Any], *, dtype: torch.dtype) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str]:
+def hf_configs(model_cfg: dict[str, Any], *, dtype: torch.dtype) -> tuple[dict[str, Any] | None, dict[str, Any] | None,
+                                                                          str]:
     """(config.json, generation_config.json, note) for the manifest's `config.model` section.
 
     Returns (None, None, why) when no config can be written (an hf model without transformers).

@@ -123,7 +123,8 @@ def _revert_on_meta(revert: Callable[..., dict[str, torch.Tensor]], model: Any,
                          "layouts the checkpoint holds, those of model.state_dict()") from None
 
 
-def _check_against_transformers(layout: HubLayout, whole: dict[str, torch.Tensor], tensors: Mapping[str, TensorInfo]) -> None:
+def _check_against_transformers(layout: HubLayout, whole: dict[str, torch.Tensor],
+                                tensors: Mapping[str, TensorInfo]) -> None:
     planned = {n: tensors[m].shape for n, m in layout.renamed.items()}
     for group in layout.groups:
         planned.update({n: info.shape for n, info in group.outputs.items()})

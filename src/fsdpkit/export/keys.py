@@ -57,7 +57,8 @@ def split_namespace(key: str, key_paths: dict[str, tuple[Any, ...]] | None) -> t
 
 
 def model_weights(keys: list[str], *, key_paths: dict[str, tuple[Any, ...]] | None, namespace: str | None = None,
-                  structured: bool = True, strip_prefixes: tuple[str, ...] = (), add_prefix: str = "") -> dict[str, str]:
+                  structured: bool = True, strip_prefixes: tuple[str, ...] = (),
+                  add_prefix: str = "") -> dict[str, str]:
     """Output name -> source key for every model weight, in source order.
 
     Args:
@@ -83,7 +84,8 @@ def model_weights(keys: list[str], *, key_paths: dict[str, tuple[Any, ...]] | No
             else:
                 raise ValueError(
                     f"cannot tell which tensors are the model's: the checkpoint's top-level entries are {tops}; "
-                    "pass --namespace NAME (the entry holding the model) or --namespace '' (model keys at the top level)"
+                    "pass --namespace NAME (the entry holding the model) or --namespace '' (model keys at the top "
+                    "level)"
                 )
         if namespace:
             selected = {k: rest for k, (top, rest) in split.items() if top == namespace}

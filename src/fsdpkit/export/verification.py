@@ -109,7 +109,8 @@ def _dcp_structure(ckpt: Path, problems: _Problems, *, threads: int, skip: froze
         if isinstance(item, TensorStorageMetadata):
             for text in chunk_problems(key, item):
                 problems.add(METADATA_FILENAME, text)
-            entries = [(MetadataIndex(key, c.offsets), tuple(c.sizes)) for c in item.chunks if all(c.sizes) or not c.sizes]
+            entries = [(MetadataIndex(key, c.offsets),
+                        tuple(c.sizes)) for c in item.chunks if all(c.sizes) or not c.sizes]
         else:
             entries = [(MetadataIndex(key), None)]
         for index, sizes in entries:
@@ -194,7 +195,8 @@ def _safetensors_structure(folder: Path, files: list[Path], problems: _Problems)
             weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
             listed = {k for k, f in weight_map.items() if f == file.name}
             if listed != set(header.tensors):
-                problems.add(file.name, f"{file} holds {len(header.tensors)} tensors, the index assigns it {len(listed)}")
+                problems.add(file.name, f"{file} holds {len(header.tensors)} tensors, the index assigns it "
+                                        f"{len(listed)}")
 
 
 def verify_checkpoint(path: str | os.PathLike, *, threads: int | None = None, tensors: bool = False) -> dict[str, Any]:

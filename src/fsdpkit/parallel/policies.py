@@ -15,8 +15,10 @@ AUTO = "auto"  # a policy entry: the model's own block classes (_no_split_module
 PRESETS: dict[str, MixedPrecisionPolicy] = {
     "fp32": MixedPrecisionPolicy(),
     # bf16 compute, fp32 gradient reduction, fp32 outputs; buffers are never cast by FSDP2.
-    "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32),
-    "bf16-true": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.float32),
+    "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                       output_dtype=torch.float32),
+    "bf16-true": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                      output_dtype=torch.float32),
 }
 
 
@@ -77,7 +79,8 @@ def mixed_precision_policy(spec: Any) -> MixedPrecisionPolicy:
 
     policy = instantiate(spec)
     if not isinstance(policy, MixedPrecisionPolicy):
-        raise ValueError(f"policy.mixed_precision._target_ returned {type(policy).__name__}, not a MixedPrecisionPolicy")
+        raise ValueError(f"policy.mixed_precision._target_ returned {type(policy).__name__}, not a "
+                         "MixedPrecisionPolicy")
     return policy
 
 
@@ -94,7 +97,8 @@ def reshard_after_forward(strategy: StrategyConfig) -> bool:
     return strategy.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
 
 
-def mesh_shape(strategy: StrategyConfig, world_size: int, local_world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def mesh_shape(strategy: StrategyConfig, world_size: int, local_world_size: int) -> tuple[tuple[int, ...],
+                                                                                          tuple[str, ...]]:
     """FULL_SHARD/SHARD_GRAD_OP: 1-D (shard,). HYBRID_SHARD: (replicate, shard).
     NO_SHARD: (world, 1), i.e. replicate everywhere, shard over a group of one."""
     if strategy.sharding_strategy == "HYBRID_SHARD":
