@@ -111,7 +111,8 @@ class Watchdog:
 
     def _step_is_slow(self) -> bool:
         with self._lock:
-            if not self.slow_step_factor or self._step_started is None or self._warned_step or len(self._step_times) < 3:
+            if (not self.slow_step_factor or self._step_started is None or self._warned_step
+                    or len(self._step_times) < 3):
                 return False
             elapsed = self._clock() - self._step_started
             return elapsed >= max(MIN_SLOW_S, self.slow_step_factor * statistics.median(self._step_times))

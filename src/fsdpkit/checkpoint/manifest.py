@@ -116,7 +116,8 @@ def optimizer_summary(optimizer: torch.optim.Optimizer | None, *, step: int) -> 
     None (`"optimizer": null`) records a checkpoint saved without an optimizer (an EMA, a teacher)."""
     if optimizer is None:
         return None
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])} for g in optimizer.param_groups]
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])}
+              for g in optimizer.param_groups]
     state_keys = sorted({k for s in optimizer.state.values() for k in s})
     return {"class": type(optimizer).__name__, "param_groups": groups, "state_keys": state_keys, "step": step}
 
@@ -185,8 +186,8 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     if isinstance(counters, dict) and counters.get("step", manifest["step"]) != manifest["step"]:
         problems.append(f"`step` {manifest['step']} differs from the trainer counters' step {counters.get('step')!r}")
     if problems:
-        raise CheckpointCorruptError(f"{path} is malformed: " + "; ".join(problems) + "; the checkpoint cannot be "
-                                                                                      "trusted")
+        raise CheckpointCorruptError(f"{path} is malformed: " + "; ".join(problems)
+                                     + "; the checkpoint cannot be trusted")
     return manifest
 
 

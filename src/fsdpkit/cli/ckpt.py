@@ -191,7 +191,8 @@ def _export_lora(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report)
         return 0
-    what = "adapter tensors" if args.adapter else f"tensors ({report['merged']} with LoRA merged, scale {report['scale']:g})"
+    merged = f"tensors ({report['merged']} with LoRA merged, scale {report['scale']:g})"
+    what = "adapter tensors" if args.adapter else merged
     print(f"exported {report['num_tensors']} {what} from {report['source']} (step {report['step']}) to {report['out']} "
           f"in {report['seconds']:.2f} s: {', '.join(report['files'])}")
     _print_folder_files(report)

@@ -65,7 +65,8 @@ def tolerance(overrides: list[str], *, same_world_size: bool, config_dirs: list[
     cfg = compose_config(overrides, config_dirs=config_dirs)
     if same_world_size and cfg.deterministic:
         return 0.0
-    return ELASTIC_RTOL_FP32 if is_fp32(mixed_precision_policy(cfg.policy.mixed_precision)) else ELASTIC_RTOL_LOW_PRECISION
+    fp32 = is_fp32(mixed_precision_policy(cfg.policy.mixed_precision))
+    return ELASTIC_RTOL_FP32 if fp32 else ELASTIC_RTOL_LOW_PRECISION
 
 
 def resume_problems(events: list[dict[str, Any]], *, step: int, saved_world_size: int, ckpt_root: Path) -> list[str]:

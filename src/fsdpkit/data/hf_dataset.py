@@ -63,7 +63,8 @@ class PackedDocuments:
             starts = np.arange(self.count, dtype=np.int64) * seq_len
             self._trained = csum[starts + seq_len + 1] - csum[starts + 1]
         self.report = SplitReport(documents=last_doc - first_doc, samples=self.count, truncated=0, dropped=0,
-                                  trained_tokens=int(self._trained.sum()) if self._trained is not None else self.count * seq_len)
+                                  trained_tokens=(int(self._trained.sum()) if self._trained is not None
+                                                  else self.count * seq_len))
 
     def __len__(self) -> int:
         return self.count

@@ -124,7 +124,8 @@ def _draw_run(axes, run: RunLog, *, color: str, index: int) -> None:
         axes[0].plot(val_x, val_y, color=color, marker="o", ls="none", ms=5, mfc="white", zorder=5)
     for resume in run.resumes:
         load = resume.get("load_s")
-        text = f"{run.label}: resumed at {resume['step']}" + (f" (load {load:.2f} s)" if isinstance(load, int | float) else "")
+        text = f"{run.label}: resumed at {resume['step']}" + (f" (load {load:.2f} s)" if isinstance(load, int | float)
+                                                              else "")
         axes[0].annotate(text, xy=(resume["step"], 0.02 + 0.06 * index), xycoords=("data", "axes fraction"),
                          rotation=90, fontsize="x-small", color=color, ha="right", va="bottom")
     stalls = [c for c in run.checkpoints if isinstance(c.get("stall_s"), int | float)]

@@ -131,7 +131,8 @@ def format_report(report: dict[str, Any]) -> str:
     mesh = report["mesh"]
     mp = report["mixed_precision"]
     ra = report["reshard_after_forward"]
-    precision = ("none (fp32 everywhere)" if mp is None or mp["param_dtype"] == "unset" and mp["reduce_dtype"] == "unset"
+    precision = ("none (fp32 everywhere)"
+                 if mp is None or mp["param_dtype"] == "unset" and mp["reduce_dtype"] == "unset"
                  else f"params {mp['param_dtype']}, gradient reduction {mp['reduce_dtype']}, outputs "
                       f"{mp['output_dtype']}")
     per_rank = report.get("local_param_mib_per_rank") or [report["local_param_mib"]]

@@ -232,7 +232,8 @@ def _check_integrity(opened: OpenedCheckpoint, *, verify: bool) -> None:
     if not problems and opened.kind in ("fsdpkit", "dcp"):  # DcpSource and DcpLoadSource
         problems = extent_problems(opened.path, opened.source.metadata)
     if problems:
-        raise CheckpointCorruptError(f"{opened.path} failed verification; nothing was exported:\n  " + "\n  ".join(problems)
+        raise CheckpointCorruptError(f"{opened.path} failed verification; nothing was exported:\n  "
+                                     + "\n  ".join(problems)
                                      + f"\n(`fsdpkit ckpt verify {opened.path}` checks it in full)")
 
 

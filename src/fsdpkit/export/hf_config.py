@@ -54,7 +54,8 @@ def hf_configs(model_cfg: dict[str, Any], *, dtype: torch.dtype) -> tuple[dict[s
     as_dict = config.to_dict()
     as_dict["dtype" if "dtype" in as_dict else "torch_dtype"] = dtype_name(dtype)
     generation = transformers.GenerationConfig.from_model_config(config).to_dict()
-    return as_dict, generation, f"config.json written by transformers {transformers.__version__} for {config.architectures}"
+    source = f"config.json written by transformers {transformers.__version__} for {config.architectures}"
+    return as_dict, generation, source
 
 
 def transformers_config(model_cfg: dict[str, Any]) -> Any:

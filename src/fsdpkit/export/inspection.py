@@ -46,7 +46,8 @@ def describe_chunks(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], 
         rows = [s[0] for _, s in sorted(nonempty)]
         text = f"{len(rows)} x {rows[0]}" if len(set(rows)) == 1 else "+".join(map(str, rows))
         return f"dim 0: {text} rows"
-    return f"{len(nonempty)} blocks of " + ", ".join("x".join(map(str, s)) for _, s in nonempty[:4]) + (" ..." if len(nonempty) > 4 else "")
+    shapes = ", ".join("x".join(map(str, s)) for _, s in nonempty[:4])
+    return f"{len(nonempty)} blocks of " + shapes + (" ..." if len(nonempty) > 4 else "")
 
 
 def _config_summary(config: dict[str, Any]) -> dict[str, Any]:

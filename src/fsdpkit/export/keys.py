@@ -3,8 +3,9 @@
 DCP flattens a nested state dict into dotted keys and records each key's nested path in its
 metadata (`planner_data`): fsdpkit, Accelerate and Lightning Fabric save `{"model": ..., "optim"...}`
 (path `('model', 'lm_head.weight')`), Lightning's Trainer `{"state_dict": ..., "optimizer_0": ...}`,
-torchtitan saves the model's keys at the top level (path `('lm_head.weight',)`). The path tells the two apart even when a model FQN itself starts
-with `model.`, which a prefix test could not. Names are then cleaned of wrapper components.
+torchtitan saves the model's keys at the top level (path `('lm_head.weight',)`). The path tells the two apart
+even when a model FQN itself starts with `model.`, which a prefix test could not. Names are then cleaned of
+wrapper components.
 """
 
 from __future__ import annotations

@@ -176,7 +176,8 @@ class DcpSource:
         planner_data = getattr(self.metadata, "planner_data", None)
         self.key_paths = dict(planner_data) if isinstance(planner_data, dict) else None
         self._tensors = {k: TensorInfo(tuple(md.size), md.properties.dtype)
-                         for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+                         for k, md in self.metadata.state_dict_metadata.items()
+                         if isinstance(md, TensorStorageMetadata)}
         self._files: dict[str, Any] = {}
         self._readers: dict[str, DirectReader] = {}  # local files: O_DIRECT reads (fsdpkit.checkpoint.direct_io)
         # An O_DIRECT reader holds a second descriptor per file: only where every file's two fit

@@ -262,7 +262,8 @@ def _verify_one(ckpt: Path, *, threads: int, tensors: bool) -> dict[str, Any]:
             values_checked = True  # every byte of every file, tensor data included
             if manifest.get("state_dict_type", "sharded") == "full":
                 kind = "fsdpkit-full"
-                _safetensors_structure(ckpt, [ckpt / n for n in manifest["files"] if n.endswith(".safetensors") and n not in failed], problems)
+                stored = [ckpt / n for n in manifest["files"] if n.endswith(".safetensors") and n not in failed]
+                _safetensors_structure(ckpt, stored, problems)
             elif METADATA_FILENAME not in failed:
                 checked["chunks"] = _dcp_structure(ckpt, problems, threads=threads, skip=frozenset(failed))
                 if tensors and not problems.items:

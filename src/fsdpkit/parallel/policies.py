@@ -61,7 +61,8 @@ def matching_modules(model: nn.Module, paths: list[str], *, setting: str) -> lis
     if not paths:
         return []
     classes = tuple(c for p in paths
-                    for c in (auto_classes(model, setting=setting) if p == AUTO else [import_class(p, setting=setting)]))
+                    for c in (auto_classes(model, setting=setting) if p == AUTO
+                              else [import_class(p, setting=setting)]))
     found = [(name, m) for name, m in model.named_modules() if name and isinstance(m, classes)]
     if not found:
         have = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
