@@ -117,11 +117,13 @@ PHASES = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8")
 GiB = 2**30
 QUICK = {"sizes_gib": "0.125", "runs": 2, "b3_runs": 1, "b6_size_gib": 0.0625, "b6_steps": 40, "b6_every": 10,
          "step_ms": 20.0, "ceiling_gib": 0.25, "memcpy_mib": 128, "b6_rounds": 1, "ceiling_reps": 2,
-         "resume_launches": 1, "resume_runs": 1, "scale_sizes_gib": "0.0625,0.125", "scale_rank_size_gib": 0.125, "scale_ranks": "1,2",
+         "resume_launches": 1, "resume_runs": 1, "scale_sizes_gib": "0.0625,0.125", "scale_rank_size_gib": 0.125,
+         "scale_ranks": "1,2",
          "scale_runs": 1}
 FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps": 80, "b6_every": 20,
         "step_ms": 100.0, "ceiling_gib": 1.0, "memcpy_mib": 512, "b6_rounds": 5, "ceiling_reps": 5,
-        "resume_launches": 5, "resume_runs": 3, "scale_sizes_gib": "0.01,0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0, "scale_ranks": "1,2,4",
+        "resume_launches": 5, "resume_runs": 3, "scale_sizes_gib": "0.01,0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0,
+        "scale_ranks": "1,2,4",
         "scale_runs": 6}
 
 
@@ -136,7 +138,8 @@ def code_version() -> dict[str, Any]:
         digest.update(f.name.encode() + f.read_bytes())
     head = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "."], capture_output=True, text=True)
-    return {"head": head.stdout.strip()[:72], "uncommitted": bool(dirty.stdout.strip()), "digest": digest.hexdigest()[:12]}
+    return {"head": head.stdout.strip()[:72], "uncommitted": bool(dirty.stdout.strip()),
+            "digest": digest.hexdigest()[:12]}
 
 
 def launch(args: argparse.Namespace, phase: str, nproc: int, size: float, workdir: Path, *, tag: str = "",
@@ -294,7 +297,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--resume-launches", type=int, help="B7: fresh resumed runs per method (default 5)")
     p.add_argument("--resume-runs", type=int, help="B7: checkpoint parts repeated per method in each launch, after "
                                                    "its first step, rounded up to a multiple of 3 (default 3)")
-    p.add_argument("--scale-sizes-gib", help="B8: state sizes over 2 ranks (default 0.01,0.25,0.5,1,2,4: the smallest pins the constant of the fit)")
+    p.add_argument("--scale-sizes-gib", help="B8: state sizes over 2 ranks (default 0.01,0.25,0.5,1,2,4: the smallest "
+                                             "pins the constant of the fit)")
     p.add_argument("--scale-rank-size-gib", type=float, help="B8: state size for the rank counts (default 1)")
     p.add_argument("--scale-ranks", help="B8: rank counts at that size (default 1,2,4)")
     p.add_argument("--scale-runs", type=int, help="B8: runs per size and method (default 6: even, so that "

@@ -22,7 +22,8 @@ CHUNK = 16 * 2**20
 MiB, GiB = 2**20, 2**30
 
 
-def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0, direct: bool = False) -> tuple[float, float]:
+def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0,
+                direct: bool = False) -> tuple[float, float]:
     """(seconds for write + fsync, of which fsync), `block` after `block` in 256 KiB write calls
     (fsdpkit.checkpoint.page_cache: on a VM that returns free memory to its host, 16 MiB calls
     were up to 3x slower); with `writeback`, the write-back of every `writeback` bytes is started
@@ -130,7 +131,8 @@ def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block:
                 p.unlink()
             previous = [workdir / f"ceiling_{streams}_{r}_{k}_{i}.bin" for i in range(streams)]
             out: list[tuple[float, float]] = []
-            times[way].append(_concurrently([lambda p=p, out=out, how=how: out.append(_write_file(p, each, block, **how))
+            times[way].append(_concurrently([lambda p=p, out=out, how=how: out.append(_write_file(p, each, block,
+                                                                                                  **how))
                                              for p in previous]))
             fsyncs[way].append(max(f for _, f in out))
     for p in previous:

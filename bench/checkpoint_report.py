@@ -71,13 +71,13 @@ def _ceiling_rows(c: dict[str, Any]) -> list[str]:
              f"1 thread, {c['memcpy_bytes'] / MiB:.0f} MiB |",
              f"| memcpy into a fresh allocation | {c['memcpy_fresh_alloc_gbps']:.2f} GB/s | median of {reps} | "
              "torch.empty + copy_ (page faults) |",
-             f"| memcpy, two at once (each) | {c['memcpy_2threads_each_gbps']:.2f} GB/s | median of {reps} | two threads "
-             "copying concurrently, as two ranks staging at once |"]
+             f"| memcpy, two at once (each) | {c['memcpy_2threads_each_gbps']:.2f} GB/s | median of {reps} | two "
+             "threads copying concurrently, as two ranks staging at once |"]
     if "memcpy_stream_gbps" in c:
         rows += [f"| memcpy, non-temporal stores | **{c['memcpy_stream_gbps']:.2f} GB/s** | median of {reps} | "
                  "fsdpkit's streaming copy (its staging copies), the same tensors |",
-                 f"| memcpy, non-temporal stores, two at once (each) | {c['memcpy_stream_2threads_each_gbps']:.2f} GB/s | "
-                 f"median of {reps} | as above, two threads |"]
+                 f"| memcpy, non-temporal stores, two at once (each) | {c['memcpy_stream_2threads_each_gbps']:.2f} "
+                 f"GB/s | median of {reps} | as above, two threads |"]
     return rows
 
 
@@ -134,24 +134,26 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
           f"{'n/a' if t['met'] is None else 'met' if t['met'] else '**NOT met**'} |" for t in targets),
     ]
     if b1:
-        out += ["", "### B1 sync save (wall time until committed, 2 ranks; GB/s = all ranks' state bytes / time; the methods "
-                "rotate, raw writes of the same bytes among them as the disk's ceiling at this moment: plain, starting the write-back as they go, and O_DIRECT, the ways fsdpkit's writer writes)",
+        out += ["", "### B1 sync save (wall time until committed, 2 ranks; GB/s = all ranks' state bytes / time; the "
+                    "methods "
+                "rotate, raw writes of the same bytes among them as the disk's ceiling at this moment: plain, starting "
+                "the write-back as they go, and O_DIRECT, the ways fsdpkit's writer writes)",
                 "| size GiB | method | median s | min–max (n) | durable GB/s | × disk, 2 streams (1 stream) | "
                 "time / dcp.save | time / fsdpkit |",
                 "|---|---|---|---|---|---|---|---|", *b1, *b1_notes]
     if b2:
         fs = [(s, p["main"]["B2"]) for s, p in res["sizes"].items() if "B2" in p.get("main", {})]
         out += ["", "### B2 async save (stall = time until the call returned, max over ranks; medians)",
-                "| size GiB | method | first stall ms | stall ms | x memcpy time (every rank at once, same rotation) | fsdpkit sync / stall | "
-                "durable s | first durable s | step slowdown in flight |",
+                "| size GiB | method | first stall ms | stall ms | x memcpy time (every rank at once, same rotation) | "
+                "fsdpkit sync / stall | durable s | first durable s | step slowdown in flight |",
                 "|---|---|---|---|---|---|---|---|---|", *b2,
                 *(f"{s} GiB: memcpy of the per-rank state, every rank at once, in the same rotation as the saves: "
-                  f"{b['state_memcpy_median_s'] * 1e3:.0f} ms ({min_max([x * 1e3 for x in b['state_memcpy_s']], '.0f')}) "
-                  f"with copy_{streamed_memcpy(b)}; "
+                  f"{b['state_memcpy_median_s'] * 1e3:.0f} ms "
+                  f"({min_max([x * 1e3 for x in b['state_memcpy_s']], '.0f')}) with copy_{streamed_memcpy(b)}; "
                   f"from the memcpy ceilings measured before the benchmarks (S / GB/s): "
                   f"{max(p['main']['state_bytes_per_rank']) / (memcpy * 1e9) * 1e3:.0f} ms single, "
-                  f"{max(p['main']['state_bytes_per_rank']) / (memcpy_ceiling_gbps(c, together=True) * 1e9) * 1e3:.0f} ms "
-                  "with two copies at once" for s, p in res["sizes"].items()
+                  f"{max(p['main']['state_bytes_per_rank']) / (memcpy_ceiling_gbps(c, together=True) * 1e9) * 1e3:.0f} "
+                  "ms with two copies at once" for s, p in res["sizes"].items()
                   if "main" in p and "state_memcpy_s" in (b := p["main"].get("B2", {}))),
                 *(f"{s} GiB: fixed-cost step {b['fixed_step_s'] * 1e3:.0f} ms, {b['steps_per_save']} steps run per "
                   f"save, fsdpkit's get_state_dict capture {b['fsdpkit_capture_median_s'] * 1e3:.1f} ms, "
@@ -175,9 +177,9 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "forward/backward/AdamW step). The checkpoint part: fsdpkit = resolve (newest committed) + "
                 "load_checkpoint(verify=True, verify_files=True) (every file's checksum from the load's own read, "
                 "then per-tensor checksums); plain = dcp.load + set_state_dict. 'in-process' = the "
-                f"checkpoint part repeated {-(-cfg.get('resume_runs', 1) // 3) * 3} time(s) per method in each launch after "
-                "the first step (cold pages; each method following each about equally often: in one process fsdpkit's "
-                "load right after a dcp.load ran up to 2x slower than after its own), pooled.",
+                f"checkpoint part repeated {-(-cfg.get('resume_runs', 1) // 3) * 3} time(s) per method in each launch "
+                "after the first step (cold pages; each method following each about equally often: in one process "
+                "fsdpkit's load right after a dcp.load ran up to 2x slower than after its own), pooled.",
                 "| size GiB | method | launch → first step s (median) | min–max (n) | launch → model built s | "
                 "checkpoint part, first in the process s | first step s | checkpoint part in-process s | min–max (n) |",
                 "|---|---|---|---|---|---|---|---|---|", *b7]
@@ -196,13 +198,14 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "drain s | extra process CPU per rank (/ loop) | GIL/core wait s (vs none) | "
                 "fsdpkit per save: wall / CPU (medians) |",
                 "|---|---|---|---|---|---|---|---|---|---|---|", *b6,
-                "each async method is made once per phase and warmed by one untimed save (a training run makes its saver once; the staging buffer's one-time allocation is B2's first stall); the loop ends when the last save call returned; drain = from then until that save is durable; "
-                "extra CPU = the process CPU time (all threads) minus that of the runs without checkpoints: the "
-                "work the saves add, which competes with training when no core is free; GIL/core wait = how late "
-                "a Python thread of rank 0 that sleeps 5 ms at a time woke up, summed over the run (the time a "
-                "Python thread waits for the GIL, or for a core when none is free), and in brackets its "
-                "increase over the runs without checkpoints; prepare + agree = rank 0 readies the directory "
-                "and every rank learns the outcome (a broadcast) before writing"]
+                "each async method is made once per phase and warmed by one untimed save (a training run makes its "
+                "saver once; the staging buffer's one-time allocation is B2's first stall); the loop ends when the "
+                "last save call returned; drain = from then until that save is durable; extra CPU = the process CPU "
+                "time (all threads) minus that of the runs without checkpoints: the work the saves add, which competes "
+                "with training when no core is free; GIL/core wait = how late a Python thread of rank 0 that sleeps 5 "
+                "ms at a time woke up, summed over the run (the time a Python thread waits for the GIL, or for a core "
+                "when none is free), and in brackets its increase over the runs without checkpoints; prepare + agree = "
+                "rank 0 readies the directory and every rank learns the outcome (a broadcast) before writing"]
     if res["errors"]:
         out += ["", "### Errors", *(f"- {e}" for e in res["errors"])]
     return "\n".join(out), targets

@@ -77,8 +77,8 @@ def b1_rows(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, l
     if timings:
         m = {k: _median([t[k] for t in timings]) for k in timings[0]}
         notes.append(f"{size} GiB: fsdpkit's own timings (rank 0's manifest, medians): DCP write + file-list gather "
-                     f"{m['write_s']:.2f} s ({m['write_cpu_s']:.2f} s CPU); tensor checksums on a worker thread meanwhile "
-                     f"{m['hash_s']:.2f} s ({m['hash_cpu_s']:.2f} s CPU), waited for after the write "
+                     f"{m['write_s']:.2f} s ({m['write_cpu_s']:.2f} s CPU); tensor checksums on a worker thread "
+                     f"meanwhile {m['hash_s']:.2f} s ({m['hash_cpu_s']:.2f} s CPU), waited for after the write "
                      f"{m['hash_wait_s'] * 1e3:.0f} ms, summed over ranks {m['hash_reduce_s'] * 1e3:.0f} ms; "
                      f"whole save in the manifest {m['total_s']:.2f} s")
     gbps = total / med[OUR_SYNC] / 1e9
@@ -215,8 +215,8 @@ def load_rows(size: str, per: dict[str, Any], targets: list, lines: list) -> Non
                 here, there = m[OUR_LOAD] / m[RAW_READ], same["median_s"][OUR_LOAD] / same["median_s"][RAW_READ]
                 _target(targets, f"B5 load on {ranks} rank(s) / load on 2 ranks, each over the raw read of the same "
                         "bytes in its own rotation", size, here / there, "<= 1.2", here / there <= 1.2,
-                        f"{here:.2f}× / {there:.2f}× = {here / there:.2f} (raw reads {m[RAW_READ]:.2f} s on {ranks} rank(s), "
-                        f"{same['median_s'][RAW_READ]:.2f} s on 2)")
+                        f"{here:.2f}× / {there:.2f}× = {here / there:.2f} (raw reads {m[RAW_READ]:.2f} s on {ranks} "
+                        f"rank(s), {same['median_s'][RAW_READ]:.2f} s on 2)")
 
 
 def b6_rows(g: dict[str, Any], label: str, targets: list, lines: list) -> None:
@@ -295,7 +295,8 @@ def b7_rows(size: str, runs: list[dict[str, Any]], targets: list, lines: list) -
     after = _by_predecessor(res, RESUME_METHODS, balanced_order)
     if after:
         short = {FSDPKIT: "fsdpkit", TWO_READS: "two reads", PLAIN: "dcp.load"}
-        lines.append(f"in-process checkpoint part at {size} GiB by the load just before it in the process (medians, n): " + "; ".join(
+        lines.append(f"in-process checkpoint part at {size} GiB by the load just before it in the process (medians, "
+                     "n): " + "; ".join(
             f"{short[m]} after " + ", ".join(f"{short[p]} {_median(after[m, p]):.2f} s ({len(after[m, p])})"
                                              for p in RESUME_METHODS if (m, p) in after)
             for m in RESUME_METHODS))
@@ -358,8 +359,8 @@ def b8_rows(sc: dict[str, Any], c: dict[str, Any], targets: list, lines: list) -
         n = row["ranks"]
         lines.append(f"| {key} | {total / 2**30:.2f} | {fs:.2f} ({fs / ds:.2f}× dcp.save) | {total / fs / 1e9:.2f} "
                      f"({total / fs / 1e9 / write_ceiling(c, n):.2f}× disk) | "
-                     f"{sv['peak_rss_bytes']['fsdpkit save_checkpoint'] / MiB:.0f} | {fr:.2f} ({fr / pr:.2f}× dcp.load) | "
-                     f"{total / fr / 1e9:.2f} ({total / fr / 1e9 / read_ceiling(c, n):.2f}× cold read) | "
+                     f"{sv['peak_rss_bytes']['fsdpkit save_checkpoint'] / MiB:.0f} | {fr:.2f} ({fr / pr:.2f}× "
+                     f"dcp.load) | {total / fr / 1e9:.2f} ({total / fr / 1e9 / read_ceiling(c, n):.2f}× cold read) | "
                      f"{rs['peak_rss_bytes'][FSDPKIT] / MiB:.0f} | {rs['start_to_first_step_s']:.2f} |")
         if n == 2:
             pts["save"].append((total / 2**30, fs))
@@ -371,8 +372,9 @@ def b8_rows(sc: dict[str, Any], c: dict[str, Any], targets: list, lines: list) -
             continue
         a, b, r2 = _fit([x for x, _ in xy], [y for _, y in xy])
         ba, bb, br2 = _fit([x for x, _ in base[what]], [y for _, y in base[what]])
-        lines.append(f"{what} on 2 ranks: time = {a:+.3f} s + {b:.3f} s/GiB × size (r² {r2:.3f}); the baseline of the same "
-                     f"rows ({BASELINE_NAMES[what]}): {ba:+.3f} s + {bb:.3f} s/GiB (r² {br2:.3f}): a bend both show is the disk's")
+        lines.append(f"{what} on 2 ranks: time = {a:+.3f} s + {b:.3f} s/GiB × size (r² {r2:.3f}); the baseline of the "
+                     f"same rows ({BASELINE_NAMES[what]}): {ba:+.3f} s + {bb:.3f} s/GiB (r² {br2:.3f}): a bend both "
+                     "show is the disk's")
         span = f"{min(x for x, _ in xy):.2g}–{max(x for x, _ in xy):.2g}"
         _target(targets, f"B8 {what} time on 2 ranks vs size: constant of the linear fit (s)", span, a,
                 "< 0.1 s, linear (r² >= 0.98)", a < 0.1 and r2 >= 0.98, f"{a:+.3f} s + {b:.3f} s/GiB, r² {r2:.3f}")

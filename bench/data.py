@@ -155,7 +155,8 @@ def print_table(title: str, header: tuple[str, str, str], per_run: dict[str, lis
     """A markdown table: one row per run or round, the two sides side by side, then the medians (printed, returned)."""
     a, b = per_run
     lines = [f"{title}:", "", f"| {' | '.join(header)} |", "|---|---|---|"]
-    lines += [f"| {i + 1} | {fmt.format(x)} | {fmt.format(y)} |" for i, (x, y) in enumerate(zip(per_run[a], per_run[b], strict=True))]
+    lines += [f"| {i + 1} | {fmt.format(x)} | {fmt.format(y)} "
+              "|" for i, (x, y) in enumerate(zip(per_run[a], per_run[b], strict=True))]
     lines += [f"| **median** | **{fmt.format(medians[a])}** | **{fmt.format(medians[b])}** |", "", verdict, ""]
     print("\n".join(lines), flush=True)
     return "\n".join(lines)
@@ -183,18 +184,22 @@ def main() -> None:
         result = {"loadavg_1min_before": os.getloadavg()[0], "cpu_count": os.cpu_count()}
         if args.only in (None, "tokenize"):
             result["tokenize"] = t = bench_tokenize(args, work, corpus, tok_dir)
-            result["markdown"] = print_table(f"tokenization, {t['documents']} documents, {t['tokens']:,} tokens, num_proc={t['num_proc']}, "
+            result["markdown"] = print_table(f"tokenization, {t['documents']} documents, {t['tokens']:,} tokens, "
+                                             f"num_proc={t['num_proc']}, "
                         f"{args.runs} runs each", ("run", "datasets.map tok/s", "fsdpkit tok/s"),
                         t["tokens_per_s"], t["median_tokens_per_s"], "{:,.0f}",
                         f"fsdpkit / datasets.map: {t['ratio']:.3f}x (target >= 1)")
         if args.only in (None, "steps"):
             result["steps"] = s = bench_steps(args, work, corpus, tok_dir)
-            result["markdown"] = result.get("markdown", "") + print_table(f"step time, {s['world_size']} gloo ranks, {' '.join(s['overrides'])}, {args.rounds} rounds x "
+            result["markdown"] = result.get("markdown",
+                                            "") + print_table(f"step time, {s['world_size']} gloo ranks, "
+                                                              f"{' '.join(s['overrides'])}, {args.rounds} rounds x "
                         f"{args.steps} steps", ("round", "synthetic s/step", "hf s/step"), s["step_time_s"],
                         s["median_step_time_s"], "{:.4f}",
                         f"hf / synthetic: {s['ratio']:.3f}x of the medians, {s['median_round_ratio']:.3f}x the median "
                         f"per-round ratio (target <= 1.05); the data path alone per step and rank: hf "
-                        f"{s['data_s_per_step']['hf'] * 1e3:.2f} ms, synthetic {s['data_s_per_step']['synthetic'] * 1e3:.2f} ms")
+                        f"{s['data_s_per_step']['hf'] * 1e3:.2f} ms, synthetic "
+                        f"{s['data_s_per_step']['synthetic'] * 1e3:.2f} ms")
         result["loadavg_1min_after"] = os.getloadavg()[0]
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(result, indent=2) + "\n")

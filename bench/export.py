@@ -202,7 +202,8 @@ def summarize(runs: list[dict], *, model_bytes: int, ceiling: float, copy: float
     gbps = model_bytes / seconds / 1e9
     return {"ok": True, "median_s": seconds, "gb_per_s": gbps, "of_disk_ceiling": gbps / ceiling,
             "of_copy_ceiling": gbps / copy, "peak_rss": rss,
-            "rss_over_model": rss / model_bytes, "rss_after_import": statistics.median(r["rss_after_import"] for r in ok),
+            "rss_over_model": rss / model_bytes,
+            "rss_after_import": statistics.median(r["rss_after_import"] for r in ok),
             "runs": runs}
 
 
@@ -213,21 +214,26 @@ def markdown(result: dict) -> str:
     par = disk["parallel"]
     shared = 2 * disk["copy_gb_s"] / max(disk["write_fsync_gb_s"], disk["read_cold_gb_s"])
     lines = [f"model: {mb / GIB:.2f} GiB fp32, {result['tensors']} tensors, written by dcp.save from 2 gloo ranks "
-             f"(in {result['write_s']:.1f} s); {result['reps']} runs each, medians; checkpoint evicted from the page cache before each run",
-             "disk ceilings (medians), measured two ways, the faster counting: before the runs, one stream, through the page "
-             "cache and with O_DIRECT (" + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in disk["medians"].items())
-             + f"); in the rotation with the runs, the checkpoint's own files with the export's parallelism ({par['readers']} "
+             f"(in {result['write_s']:.1f} s); {result['reps']} runs each, medians; checkpoint evicted from the page "
+             "cache before each run",
+             "disk ceilings (medians), measured two ways, the faster counting: before the runs, one stream, through "
+             "the page cache and with O_DIRECT (" + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in disk["medians"].items())
+             + "); in the rotation with the runs, the checkpoint's own files with the export's parallelism "
+               f"({par['readers']} "
              f"read threads, {par['writers']} write threads, 16 MiB blocks{', O_DIRECT' if par['direct'] else ''}): "
              + ", ".join(f"{k} {v:.2f}" for k, v in par["medians"].items()) + " GB/s",
-             f"ceilings: write+fsync {disk['write_fsync_gb_s']:.2f} GB/s, cold read {disk['read_cold_gb_s']:.2f} GB/s -> "
-             f"min {ceiling:.2f} GB/s; copy (read cold and written with fsync at once: what an export does) "
+             f"ceilings: write+fsync {disk['write_fsync_gb_s']:.2f} GB/s, cold read {disk['read_cold_gb_s']:.2f} GB/s "
+             f"-> min {ceiling:.2f} GB/s; copy (read cold and written with fsync at once: what an export does) "
              f"{disk['copy_gb_s']:.2f} GB/s = {disk['copy_gb_s'] / ceiling:.2f} x min: the copy moves "
-             f"{2 * disk['copy_gb_s']:.2f} GB/s of reads and writes together, {shared:.2f} x the faster of reading or writing alone"
+             f"{2 * disk['copy_gb_s']:.2f} GB/s of reads and writes together, {shared:.2f} x the faster of reading or "
+             "writing alone"
              + (" (the copy, an export's ceiling, stays below 0.8 x min on this disk)" if disk["copy_gb_s"] < 0.8 * ceiling else ""),
-             f"targets: throughput >= {0.8 * ceiling:.2f} GB/s (0.8 x min, issue 15) and >= {0.8 * disk['copy_gb_s']:.2f} GB/s "
-             f"(0.8 x copy), peak RSS <= {rss_target / MIB:.0f} MiB (0.1 x model + 512 MiB)",
+             f"targets: throughput >= {0.8 * ceiling:.2f} GB/s (0.8 x min, issue 15) and >= "
+             f"{0.8 * disk['copy_gb_s']:.2f} GB/s (0.8 x copy), peak RSS <= {rss_target / MIB:.0f} MiB (0.1 x model + "
+             "512 MiB)",
              "",
-             "| variant | median s | GB/s | x min(disk) | x copy | peak RSS MiB | RSS / model | RSS target | speed target (x min) | speed target (x copy) |",
+             "| variant | median s | GB/s | x min(disk) | x copy | peak RSS MiB | RSS / model | RSS target | speed "
+             "target (x min) | speed target (x copy) |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name in VARIANTS:
         s = result["variants"].get(name)
@@ -239,7 +245,8 @@ def markdown(result: dict) -> str:
         lines.append(f"| {name} | {s['median_s']:.2f} | {s['gb_per_s']:.3f} | {s['of_disk_ceiling']:.2f} | "
                      f"{s['of_copy_ceiling']:.2f} | {s['peak_rss'] / MIB:.0f} | "
                      f"{s['rss_over_model']:.2f} | {'yes' if s['peak_rss'] <= rss_target else 'no'} | "
-                     f"{'yes' if s['of_disk_ceiling'] >= 0.8 else 'no'} | {'yes' if s['of_copy_ceiling'] >= 0.8 else 'no'} |")
+                     f"{'yes' if s['of_disk_ceiling'] >= 0.8 else 'no'} | "
+                     f"{'yes' if s['of_copy_ceiling'] >= 0.8 else 'no'} |")
     lines.append("")
     lines.append(f"GB/s = model bytes read / wall time (bf16 writes half as many bytes). RSS after imports alone: "
                  f"{result['variants']['fsdpkit']['rss_after_import'] / MIB:.0f} MiB.")
@@ -248,7 +255,8 @@ def markdown(result: dict) -> str:
     lim = result.get("rlimit")
     if lim:
         lines.append("")
-        lines.append(f"address-space limit: imports + {lim['extra_bytes'] / GIB:.2f} GiB (checkpoint {mb / GIB:.2f} GiB):")
+        lines.append(f"address-space limit: imports + {lim['extra_bytes'] / GIB:.2f} GiB (checkpoint {mb / GIB:.2f} "
+                     "GiB):")
         for name, r in lim["runs"].items():
             text = f"completed in {r['seconds']:.2f} s, peak RSS {r['peak_rss'] / MIB:.0f} MiB" if r["ok"] else f"failed: {r['error']}"
             lines.append(f"- {name}: {text}")
@@ -257,13 +265,18 @@ def markdown(result: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gib", type=float, default=2.0, help="size of the synthetic fp32 checkpoint (default 2.0)")
+    parser.add_argument("--size-gib", type=float, default=2.0,
+                        help="size of the synthetic fp32 checkpoint (default 2.0)")
     parser.add_argument("--reps", type=int, default=5, help="runs per variant; medians are reported (default 5)")
     parser.add_argument("--rlimit-gib", type=float, default=0.5,
-                        help="address space allowed beyond the imports in the RLIMIT_AS runs (default 0.5; 0 skips them)")
-    parser.add_argument("--disk-probe-gib", type=float, default=1.0, help="size of the disk-ceiling probe file (default 1.0)")
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated subset of {', '.join(VARIANTS)}")
-    parser.add_argument("--work", default=None, help="directory for the checkpoint and outputs (default: a new temporary one)")
+                        help="address space allowed beyond the imports in the RLIMIT_AS runs (default 0.5; 0 skips "
+                             "them)")
+    parser.add_argument("--disk-probe-gib", type=float, default=1.0,
+                        help="size of the disk-ceiling probe file (default 1.0)")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated subset of {', '.join(VARIANTS)}")
+    parser.add_argument("--work", default=None,
+                        help="directory for the checkpoint and outputs (default: a new temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
     parser.add_argument("--json", default=str(RESULTS), help=f"where to write the results (default {RESULTS})")
     parser.add_argument("--_child", help=argparse.SUPPRESS)
@@ -297,7 +310,8 @@ def main() -> None:
             for name in runs:
                 r = run_child(name, ckpt, work / f"out_{name}")
                 runs[name].append(r)
-                print(f"  run {rep + 1}/{args.reps} {name}: " + (f"{r['seconds']:.2f} s, peak RSS {r['peak_rss'] / MIB:.0f} MiB"
+                print(f"  run {rep + 1}/{args.reps} {name}: " + (f"{r['seconds']:.2f} s, peak RSS "
+                                                                 f"{r['peak_rss'] / MIB:.0f} MiB"
                                                              if r["ok"] else r["error"]), flush=True)
             for kind, src, dst in (("read", sources, None), ("write", [], work / "raw_write.bin"),
                                    ("copy", sources, work / "raw_copy.bin")):
@@ -306,7 +320,8 @@ def main() -> None:
                 raw[kind].append(data_bytes / seconds / 1e9)
             print(f"  run {rep + 1}/{args.reps} raw at the export's parallelism: "
                   + ", ".join(f"{k} {v[-1]:.2f} GB/s" for k, v in raw.items()), flush=True)
-        disk["parallel"] = {"readers": tuned.export_read_ahead, "writers": tuned.export_write_threads, "direct": direct, "bytes": data_bytes,
+        disk["parallel"] = {"readers": tuned.export_read_ahead, "writers": tuned.export_write_threads,
+                            "direct": direct, "bytes": data_bytes,
                             "runs": raw, "medians": {k: statistics.median(v) for k, v in raw.items()}}
         for kind, key in (("write", "write_fsync_gb_s"), ("read", "read_cold_gb_s"), ("copy", "copy_gb_s")):
             disk[key] = max(disk[key], disk["parallel"]["medians"][kind])  # the faster way is the ceiling
@@ -316,8 +331,8 @@ def main() -> None:
             "model_bytes": model_bytes, "tensors": len(shapes), "reps": args.reps, "write_s": write_s, "disk": disk,
             "variants": {name: summarize(r, model_bytes=model_bytes, ceiling=ceiling, copy=disk["copy_gb_s"])
                          for name, r in runs.items()},
-            "accelerate": None if has_accelerate else "accelerate is not installed here: merge_fsdp_weights was not run "
-                                                      "(pip install accelerate to add it to the table)",
+            "accelerate": None if has_accelerate else "accelerate is not installed here: merge_fsdp_weights was not "
+                                                      "run (pip install accelerate to add it to the table)",
         }
         if args.rlimit_gib > 0:
             extra = int(args.rlimit_gib * GIB)

@@ -238,7 +238,8 @@ def disk_ceilings(work: Path, *, nbytes: int, reps: int) -> dict[str, float]:
             tag = "direct" if direct else "buffered"
             runs.setdefault(f"write_{tag}", []).append(nbytes / _write_seconds(path, nbytes, direct=direct) / 1e9)
             runs.setdefault(f"read_{tag}", []).append(nbytes / _read_seconds(path, direct=direct) / 1e9)
-            runs.setdefault(f"copy_{tag}", []).append(nbytes / _copy_seconds(path, work / "disk_probe_copy.bin", direct=direct) / 1e9)
+            runs.setdefault(f"copy_{tag}",
+                            []).append(nbytes / _copy_seconds(path, work / "disk_probe_copy.bin", direct=direct) / 1e9)
             runs.setdefault(f"copy_serial_{tag}", []).append(
                 nbytes / _serial_copy_seconds(path, work / "disk_probe_copy.bin", direct=direct) / 1e9)
             path.unlink()

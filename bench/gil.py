@@ -79,7 +79,8 @@ def main() -> None:
 
     modes = {"no background work (baseline)": lambda: time.sleep(hash_s),
              "row checksums, C extension (as a save computes them)": lambda: _rows_hash(state, 0, native=True),
-             "row checksums, Python loop (the fallback without a C compiler)": lambda: _rows_hash(state, 0, native=False),
+             "row checksums, Python loop (the fallback without a C "
+             "compiler)": lambda: _rows_hash(state, 0, native=False),
              "xxh3 stream over the same bytes (file checksums; releases the GIL)": stream}
     runs: dict[str, list[tuple[float, float, float]]] = {m: [] for m in modes}
     for _ in range(args.runs):  # modes interleaved, so drift on the machine hits all alike

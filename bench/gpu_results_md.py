@@ -35,8 +35,9 @@ def machine(d: Path) -> tuple[list[str], str]:
     info = dict(line.split(" ", 1) for line in text.splitlines() if " " in line)
     date = info.get("date", "undated")[:10]
     parts = [line.split() for line in text.splitlines() if re.fullmatch(r"\S+ -?\d+ \d+", line)]
-    lines = [f"- machine: GPU {info.get('gpu', '?')}, {info.get('cpus', '?')} CPUs, {info.get('mem_gib', '?')} GiB RAM; "
-             f"Python {info.get('python', '?')}, torch {info.get('torch', '?')}; commit `{info.get('commit', '?')}`",
+    lines = [f"- machine: GPU {info.get('gpu', '?')}, {info.get('cpus', '?')} CPUs, {info.get('mem_gib', '?')} GiB "
+             f"RAM; Python {info.get('python', '?')}, torch {info.get('torch', '?')}; commit "
+             f"`{info.get('commit', '?')}`",
              "- parts (exit code, seconds): " + (", ".join(f"{n} {rc} ({s} s)" for n, rc, s in parts) or "none recorded")]
     return lines, date
 
@@ -64,7 +65,8 @@ def train_section(r: dict | None) -> list[str]:
             out.append(head + f"| - | {why.replace('|', '/')[:300]} | | | | | | |")
             continue
         b, f = c["sides"]["baseline"], c["sides"]["fsdpkit"]
-        tok = lambda x: f"{x['median_tokens_per_s']:,.0f} ({x['min_tokens_per_s']:,.0f}-{x['max_tokens_per_s']:,.0f})"  # noqa: E731
+        tok = lambda x: (f"{x['median_tokens_per_s']:,.0f} "  # noqa: E731
+                         f"({x['min_tokens_per_s']:,.0f}-{x['max_tokens_per_s']:,.0f})")
 
         def mfu(x):
             if x["median_mfu"] is None:

@@ -360,7 +360,8 @@ def worker(args: argparse.Namespace) -> None:
                           "python": platform.python_version(), "cpu_count": os.cpu_count(),
                           "world_size": tdist.get_world_size(), "peak_bf16_tflops": peak,
                           "commit": os.environ.get("COMMIT", "")},
-              "seq_len": args.seq_len, "rounds": args.rounds, "steps_per_round": args.steps, "warmup_steps": args.warmup,
+              "seq_len": args.seq_len, "rounds": args.rounds, "steps_per_round": args.steps,
+              "warmup_steps": args.warmup,
               "cpu_smoke": smoke, "inputs_written_s": t_inputs, "configs": []}
     fits: dict[tuple[str, bool], int] = {}
     weights: dict[str, dict[str, torch.Tensor]] = {}  # by model kind: fsdpkit's seeded init, on the CPU
@@ -392,7 +393,8 @@ def worker(args: argparse.Namespace) -> None:
                 oom = True
                 entry["oom_at"].append(batch)
                 if rank == 0:
-                    print(f"{kind} compile={compile_} ac={ac}: out of memory at micro-batch {batch}; halving", flush=True)
+                    print(f"{kind} compile={compile_} ac={ac}: out of memory at micro-batch {batch}; halving",
+                          flush=True)
             except Exception as e:  # one configuration failing must not lose the others
                 entry["error"] = f"{type(e).__name__}: {e}"[:2000]
                 if rank == 0:
@@ -436,8 +438,9 @@ def print_config(e: dict, *, flush_json) -> None:
           f"(build {e['seconds']['build']:.0f}, first+warm-up {e['seconds']['first_and_warmup']:.0f})", flush=True)
     for name in ("baseline", "fsdpkit"):
         x = s[name]
-        print(f"  {name:8s} {x['median_tokens_per_s']:,.0f} tok/s ({x['min_tokens_per_s']:,.0f}-{x['max_tokens_per_s']:,.0f}) "
-              f"MFU {pct(x['median_mfu'])} peak {gib(x['peak_mem_gib'])} GiB", flush=True)
+        print(f"  {name:8s} {x['median_tokens_per_s']:,.0f} tok/s "
+              f"({x['min_tokens_per_s']:,.0f}-{x['max_tokens_per_s']:,.0f}) MFU {pct(x['median_mfu'])} peak "
+              f"{gib(x['peak_mem_gib'])} GiB", flush=True)
     c = e["first_step_check"]
     print(f"  fsdpkit/baseline {e['ratio']:.4f}; first step loss {c['fsdpkit_loss']:.5f} vs {c['baseline_loss']:.5f}, "
           f"grad norm {c['fsdpkit_grad_norm']:.4f} vs {c['baseline_grad_norm']:.4f}", flush=True)

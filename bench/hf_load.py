@@ -242,7 +242,8 @@ def launch(side: str, folder: Path, nproc: int, tmp: Path, i: int) -> list[dict]
     out = tmp / f"{side}_{i}.json"
     run_dir = tmp / f"run_{side}_{i}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", __file__,
-           "--side", side, "--seq-len", str(SEQ_LEN), "--folder", str(folder), "--out", str(out), "--run-dir", str(run_dir)]
+           "--side", side, "--seq-len", str(SEQ_LEN), "--folder", str(folder), "--out", str(out), "--run-dir",
+           str(run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", T0_ENV: repr(time.time())}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0 or not out.is_file():
@@ -316,9 +317,9 @@ def report(args, sizes, folder: Path, runs: dict[str, list[list[dict]]], ceil: d
         f"torch {torch.__version__}; {n} fresh torchrun launches per side, alternating (A B, B A, A B, ...), "
         "the folder's pages evicted before each; medians (min–max)",
         f"folder: Llama {sizes['hidden_size']} hidden x {sizes['num_hidden_layers']} layers, intermediate "
-        f"{sizes['intermediate_size']}, vocab {sizes['vocab_size']}, untied head, {n_params / 1e6:.1f}M params, written "
-        f"by save_pretrained in bf16: {st_bytes / 2**30:.3f} GiB of safetensors ({disk_bytes / MiB:.0f} MiB in all); "
-        f"model_bytes = fp32 size of the parameters = {model_bytes / 2**30:.3f} GiB",
+        f"{sizes['intermediate_size']}, vocab {sizes['vocab_size']}, untied head, {n_params / 1e6:.1f}M params, "
+        f"written by save_pretrained in bf16: {st_bytes / 2**30:.3f} GiB of safetensors ({disk_bytes / MiB:.0f} MiB in "
+        f"all); model_bytes = fp32 size of the parameters = {model_bytes / 2**30:.3f} GiB",
         f"ceiling, a plain sequential read of the folder (16 MiB reads, medians of {len(ceil['cold_s'])}): cold-ish "
         f"(pages evicted) {cold:.2f} s = {disk_bytes / cold / 1e9:.2f} GB/s; from the page cache {warm:.2f} s = "
         f"{disk_bytes / warm / 1e9:.2f} GB/s",
@@ -335,8 +336,8 @@ def report(args, sizes, folder: Path, runs: dict[str, list[list[dict]]], ceil: d
         f"{med_range(load['baseline'])} | {med['load']['fsdpkit'] / med['load']['baseline']:.3f} | "
         f"(cold read of the folder {cold:.2f} s) | |",
         f"| peak RSS per rank through the load MiB (max over ranks) | {med_range(rss_load['fsdpkit'], '{:.0f}')} | "
-        f"{med_range(rss_load['baseline'], '{:.0f}')} | {med['rss_load']['fsdpkit'] / med['rss_load']['baseline']:.3f} | "
-        f"<= {bound / MiB:.0f} (model_bytes/2 + 512 MiB) | {mark[targets['rss_through_load_MiB']['met']]} |",
+        f"{med_range(rss_load['baseline'], '{:.0f}')} | {med['rss_load']['fsdpkit'] / med['rss_load']['baseline']:.3f} "
+        f"| <= {bound / MiB:.0f} (model_bytes/2 + 512 MiB) | {mark[targets['rss_through_load_MiB']['met']]} |",
         f"| peak RSS per rank at the end of the first step MiB | {med_range(rss_end['fsdpkit'], '{:.0f}')} | "
         f"{med_range(rss_end['baseline'], '{:.0f}')} | {med['rss_end']['fsdpkit'] / med['rss_end']['baseline']:.3f} | "
         f"<= {bound / MiB:.0f} (as stated; AdamW's state alone is model_bytes per rank) | "
@@ -370,7 +371,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=None, help="launches per side (default 5; --quick 1)")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (default 2)")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN,
-                        help=f"tokens per rank in the step (default {SEQ_LEN}); the step is the same work on both sides")
+                        help=f"tokens per rank in the step (default {SEQ_LEN}); the step is the same work on both "
+                             "sides")
     parser.add_argument("--quick", action="store_true", help="a 0.1 GiB model, one launch per side (smoke run)")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # set in the ranks
     parser.add_argument("--folder", help=argparse.SUPPRESS)

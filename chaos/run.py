@@ -72,7 +72,8 @@ def run_trial(name: str, trial: int, case, *, ctx: Context) -> Outcome:
     except Exception as e:  # noqa: BLE001 - a harness error is a failed trial, with its cause
         out = Outcome(case=name, trial=trial, seed=ctx.seed, ok=False, detail=f"harness: {type(e).__name__}: {e}")
     out.case = f"{name}: {out.case}"
-    print(f"chaos: {'PASS' if out.ok else 'FAIL'} {name} #{trial} ({time.monotonic() - t:.0f} s) {out.detail}", flush=True)
+    print(f"chaos: {'PASS' if out.ok else 'FAIL'} {name} #{trial} ({time.monotonic() - t:.0f} s) {out.detail}",
+          flush=True)
     return out
 
 
@@ -88,7 +89,8 @@ def table(results: list[Outcome], *, seed: int, wall_s: float) -> str:
         exits = [x for r in rs for x in r.exit_s]
         times = f"{statistics.median(exits):.1f} / {max(exits):.1f}" if exits else "-"
         rows.append(f"| {name} | {len(rs)} | {sum(r.ok for r in rs)} | {sum(not r.ok for r in rs)} | "
-                    f"{sum(r.kills for r in rs)} | {sum(r.kills_in_save for r in rs)} | {sum(r.restarts for r in rs)} | {times} |")
+                    f"{sum(r.kills for r in rs)} | {sum(r.kills_in_save for r in rs)} | {sum(r.restarts for r in rs)} "
+                    f"| {times} |")
     total = f"{len(results)} trials, {sum(r.ok for r in results)} passed, seed {seed}, {wall_s / 60:.1f} min"
     failures = [f"- FAIL seed {r.seed} `--only {r.case.split(':')[0]} --trial {r.trial}` ({r.case}): {r.detail}"
                 for r in results if not r.ok]

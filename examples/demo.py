@@ -36,7 +36,8 @@ def metrics(run_dir: Path) -> dict[int, dict]:
 
 
 def run_until_killed(run_dir: Path) -> None:
-    job = subprocess.Popen(train_cmd(run_dir), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    job = subprocess.Popen(train_cmd(run_dir), start_new_session=True, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
     latest = run_dir / "checkpoints" / "latest"
     while job.poll() is None:
         if latest.is_file() and latest.read_text().strip() == KILL_AFTER:

@@ -124,7 +124,8 @@ def main() -> int:
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--global-batch", type=int, default=6)
     p.add_argument("--seq-len", type=int, default=16)
-    p.add_argument("--hf-config", type=Path, help="write the model's config.json here (rank 0), for `fsdpkit ckpt export --config`")
+    p.add_argument("--hf-config", type=Path,
+                   help="write the model's config.json here (rank 0), for `fsdpkit ckpt export --config`")
     p.add_argument("--out", type=Path, help="write {step: loss}, the resumed step and the sharding seen here (rank 0)")
     args = p.parse_args()
 

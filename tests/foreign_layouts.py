@@ -89,7 +89,8 @@ def write_layout(layout: str, model: LlamaForCausalLM, opt: torch.optim.Optimize
     if layout == "accelerate":
         folder = root / "project" / "checkpoints" / "checkpoint_0"
         dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=folder / "pytorch_model_fsdp_0", no_dist=True)
-        dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder / "optimizer_0", no_dist=True)
+        dcp.save({"optimizer": get_optimizer_state_dict(model, opt)}, checkpoint_id=folder / "optimizer_0",
+                 no_dist=True)
         (folder / "random_states_0.pkl").write_bytes(pickle.dumps(Tripwire(tripwire)))
         (folder / "scheduler.bin").write_bytes(pickle.dumps(Tripwire(tripwire)))
         return folder

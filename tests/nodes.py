@@ -84,7 +84,8 @@ def run_nodes(args: list[str], *, logs: Path, timeout: float = 600, **kwargs) ->
     nodes = start_nodes(args, logs=logs, **kwargs)
     codes = wait_all(nodes, timeout=timeout)
     if any(codes):
-        tails = "\n".join(f"--- node {i} (exit {c}):\n{n.stderr()[-4000:]}" for i, (n, c) in enumerate(zip(nodes, codes, strict=True)))
+        tails = "\n".join(f"--- node {i} (exit "
+                          f"{c}):\n{n.stderr()[-4000:]}" for i, (n, c) in enumerate(zip(nodes, codes, strict=True)))
         raise AssertionError(f"a launcher failed: {codes}\n{tails}")
     return nodes
 

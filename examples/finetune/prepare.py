@@ -22,7 +22,8 @@ def texts() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out", type=Path, help="tokenizer folder to write")
-    parser.add_argument("--vocab-size", type=int, default=512, help="at most the model's vocabulary (512 for hf_llama_tiny)")
+    parser.add_argument("--vocab-size", type=int, default=512,
+                        help="at most the model's vocabulary (512 for hf_llama_tiny)")
     args = parser.parse_args()
     tok = train_bpe_tokenizer(texts(), vocab_size=args.vocab_size, out_dir=args.out)
     print(f"tokenizer with {len(tok)} tokens written to {args.out}")

@@ -43,8 +43,10 @@ def main() -> None:
     base = out / "pretrain" / "export"
     train(args.nproc, "experiment=finetune_sft", f"data.files=[{HERE / 'data' / 'chat.jsonl'}]", *data,
           f"model.init_from=hf:{base}", f"run_dir={out / 'sft'}", "checkpoint.resume=none")
-    sh(sys.executable, "-m", "fsdpkit", "ckpt", "export", str(out / "sft"), str(out / "adapter"), "--adapter", "--overwrite")
-    sh(sys.executable, "-m", "fsdpkit", "ckpt", "export", str(out / "sft"), str(out / "merged"), "--merge", "--overwrite")
+    sh(sys.executable, "-m", "fsdpkit", "ckpt", "export", str(out / "sft"), str(out / "adapter"), "--adapter",
+       "--overwrite")
+    sh(sys.executable, "-m", "fsdpkit", "ckpt", "export", str(out / "sft"), str(out / "merged"), "--merge",
+       "--overwrite")
     check(base=base, adapter=out / "adapter", merged=out / "merged", tokenizer=tok)
 
 
@@ -62,7 +64,8 @@ def check(*, base: Path, adapter: Path, merged: Path, tokenizer: Path) -> None:
     ids = tok(prompt, add_special_tokens=False, return_tensors="pt").input_ids
     with torch.no_grad():
         diff = (peft_model(ids).logits - merged_model(ids).logits).abs().max().item()
-        answer = merged_model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=tok.convert_tokens_to_ids("<|end|>"),
+        answer = merged_model.generate(ids, max_new_tokens=12, do_sample=False,
+                                       eos_token_id=tok.convert_tokens_to_ids("<|end|>"),
                                        pad_token_id=tok.pad_token_id)
     print(f"peft adapter vs merged model: max |logit difference| {diff:.2e}")
     print(f"Q: What is two plus three?\nA: {tok.decode(answer[0, ids.shape[1]:], skip_special_tokens=True)}")

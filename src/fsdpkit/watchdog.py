@@ -111,7 +111,8 @@ class Watchdog:
 
     def _step_is_slow(self) -> bool:
         with self._lock:
-            if not self.slow_step_factor or self._step_started is None or self._warned_step or len(self._step_times) < 3:
+            if (not self.slow_step_factor or self._step_started is None or self._warned_step
+                    or len(self._step_times) < 3):
                 return False
             elapsed = self._clock() - self._step_started
             return elapsed >= max(MIN_SLOW_S, self.slow_step_factor * statistics.median(self._step_times))
@@ -172,7 +173,8 @@ def describe(beats: dict[int, dict[str, Any]], *, stale: list[int], world_size: 
 _current: Watchdog | None = None
 
 
-def start(*, store: tdist.Store, rank: int, world_size: int, interval_s: float, slow_step_factor: float) -> Watchdog | None:
+def start(*, store: tdist.Store, rank: int, world_size: int, interval_s: float,
+          slow_step_factor: float) -> Watchdog | None:
     """Start this rank's heartbeat (a no-op with interval_s=0 or a world of one)."""
     global _current
     if interval_s <= 0 or world_size == 1:

@@ -144,7 +144,8 @@ def test_cpu_offload_and_compile_train_like_the_plain_run(tmp_path):
     Triton kernels) give the plain CUDA run's losses within float tolerance."""
     base = ["experiment=demo", *CUDA, *SMALL, "train.max_steps=3", "checkpoint.every_steps=0"]
     losses = {}
-    for name, extra in {"plain": [], "offload": ["strategy.cpu_offload=true"], "compile": ["train.compile=true"]}.items():
+    for name, extra in {"plain": [], "offload": ["strategy.cpu_offload=true"],
+                        "compile": ["train.compile=true"]}.items():
         proc = fsdpkit("train", *base, *extra, f"run_dir={tmp_path / name}")
         assert proc.returncode == 0, f"{name}: {proc.stderr[-3000:]}"
         losses[name] = [r["loss"] for r in read_records(tmp_path / name)]

@@ -47,7 +47,8 @@ def test_rank_killed_mid_save_keeps_latest_and_auto_resume_is_exact(uninterrupte
     first_tensor, size, after = mid_tensor_bytes(uninterrupted / "checkpoints" / "step_8", rank=1)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            **faults_env(kill_mid_write(step=8, rank=1, after_bytes=after), marker=marker)}
-    extra = ["checkpoint.async=true", "checkpoint.exception_timeout_s=5", "checkpoint.timeout_s=30"] if mode == "async" else []
+    extra = ["checkpoint.async=true", "checkpoint.exception_timeout_s=5",
+             "checkpoint.timeout_s=30"] if mode == "async" else []
     killed = subprocess.run([sys.executable, "-m", "fsdpkit", "train", *ARGS, *extra, f"run_dir={run}"],
                             capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
     assert killed.returncode != 0
@@ -136,6 +137,7 @@ def test_malicious_metadata_is_refused_without_running_it(uninterrupted, tmp_pat
 
 def test_explicit_resume_of_an_uncommitted_directory_says_what_is_missing(tmp_path):
     (tmp_path / "step_3").mkdir()
-    proc = fsdpkit("train", "train.max_steps=1", f"run_dir={tmp_path / 'run'}", f"checkpoint.resume={tmp_path / 'step_3'}")
+    proc = fsdpkit("train", "train.max_steps=1", f"run_dir={tmp_path / 'run'}",
+                   f"checkpoint.resume={tmp_path / 'step_3'}")
     assert proc.returncode == 2
     assert "is not a committed checkpoint" in proc.stderr and "has no manifest.json" in proc.stderr

@@ -26,7 +26,8 @@ TIED = {"nested": False, "flat": True, "accelerate": True, "lightning": False}
 NOTES = {
     "nested": "removed wrapper components from the names: _orig_mod. (21 names)",
     "flat": "holds 2 checkpoints (step-1, step-3): using the newest by the number in its name, step-3",
-    "accelerate": "an Accelerate save_state folder: using pytorch_model_fsdp_0/ (model); optimizer_0/ holds the optimizer",
+    "accelerate": "an Accelerate save_state folder: using pytorch_model_fsdp_0/ (model); optimizer_0/ holds the "
+                  "optimizer",
     "lightning": "stripped the prefix 'model.' from all 21 names, to match the names of LlamaForCausalLM",
 }
 

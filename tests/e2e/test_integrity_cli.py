@@ -24,7 +24,8 @@ pytestmark = pytest.mark.e2e
 DEMO = ["experiment=demo", "train.eval_every=0", "train.progress=false"]
 
 
-def _train(run: Path, *overrides: str, nproc: int | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+def _train(run: Path, *overrides: str, nproc: int | None = None,
+           env: dict | None = None) -> subprocess.CompletedProcess:
     launch = ["--nproc", str(nproc)] if nproc else []
     cmd = [sys.executable, "-m", "fsdpkit", "train", *launch, *DEMO, f"run_dir={run}", *overrides]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -106,7 +107,8 @@ def test_unusable_directories_stop_before_the_first_step(tmp_path):
     # Under torchrun directly, every rank stops at the same check and rank 0 alone says why.
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                            "-m", "fsdpkit", "train", "train.max_steps=1", f"run_dir={a_file}"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0 and proc.stderr.count(cases[1][1]) == 1
     assert "fsdpkit/" not in proc.stderr.replace(str(tmp_path), "")  # torchrun's own traceback only, no rank's
     assert a_file.read_text() == "mine, not fsdpkit's\n" and (tmp_path / "mine" / "notes.txt").is_file()

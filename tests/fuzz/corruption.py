@@ -376,7 +376,8 @@ def classify(kind: str, mutate: Mutation, rng: random.Random, pristine: Path, re
 def verdict(record: dict[str, Any]) -> str | None:
     """Why `record` fails the fuzz, or None."""
     resume, verify = record["resume"], record["verify"]
-    if (resume.startswith(("SILENT", "traceback", "refused without")) or resume.endswith("without naming " + record["damaged"])
+    if (resume.startswith(("SILENT", "traceback",
+                           "refused without")) or resume.endswith("without naming " + record["damaged"])
             or verify.startswith(("traceback", "unclear", "misnamed"))):
         return f"resume: {resume}; verify: {verify}"
     if resume == "fresh start":

@@ -108,7 +108,8 @@ def test_a_node_dies_mid_step_and_mid_save_and_both_launchers_resume_exactly(tmp
     first_tensor, size, after = mid_tensor_bytes(run / "checkpoints" / f"step_{EVERY}", rank=3)
     marker = tmp_path / "faults.jsonl"
     nodes = start_nodes([*ARGS, f"run_dir={run}"], logs=tmp_path / "logs_save",
-                        env={**ENV, **faults_env(kill_mid_write(step=3 * EVERY, rank=3, after_bytes=after), marker=marker)})
+                        env={**ENV, **faults_env(kill_mid_write(step=3 * EVERY, rank=3, after_bytes=after),
+                                                 marker=marker)})
     placement = rank_map(nodes)
     victim = 0 if 3 in placement[0] else 1
     psutil.wait_procs([placement[victim][3]], timeout=600)

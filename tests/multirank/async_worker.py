@@ -87,7 +87,8 @@ def async_by_hand(work: Path, name: str = "async", *, background: bool = False) 
     trainer.metrics.close()
     return {"in_flight_after_two_steps": in_flight_after_two_steps, "stall_at_return_s": stall_at_return,
             "held_at_return": held_at_return, "held_s": gate.held_s, "step_waited_for_copy": waited.is_set(),
-            "stall_s": running.stall_s, "step_s": step_s, "events": read_records(run, events=True) if dist.is_main() else []}
+            "stall_s": running.stall_s, "step_s": step_s,
+            "events": read_records(run, events=True) if dist.is_main() else []}
 
 
 def main() -> None:
@@ -123,7 +124,9 @@ def main() -> None:
     if dist.is_main():
         ck = work / "exception" / "checkpoints"
         res["on_exception_manifest"] = {k: manifest(ck / ON_EXCEPTION)[k] for k in ("step", "reason", "exception")}
-        res["manifests"] = {name: {k: manifest(work / name / "checkpoints" / "step_3")[k] for k in ("tensors", "trainer", "timings")}
+        res["manifests"] = {name: {k: manifest(work / name / "checkpoints" / "step_3")[k] for k in ("tensors",
+                                                                                                    "trainer",
+                                                                                                    "timings")}
                             for name in ("reference", "async", "async_bg")}
         res["minutes_dirs"] = sorted(p.name for p in (work / "minutes" / "checkpoints").iterdir())
         res["minutes_saves"] = [(e["step"], e["reason"]) for e in read_records(work / "minutes", events=True)

@@ -27,7 +27,8 @@ def diag(tmp_path_factory) -> tuple[dict, Path]:
 def test_report_of_a_correct_two_rank_run(diag):
     res, run_dir = diag
     rep = res["correct"]["report"]
-    assert rep["world_size"] == 2 and rep["mesh"] == {"shape": [2], "dim_names": ["shard"], "placements": ["Shard(dim=0)"]}
+    assert rep["world_size"] == 2 and rep["mesh"] == {"shape": [2], "dim_names": ["shard"],
+                                                      "placements": ["Shard(dim=0)"]}
     assert rep["sharding_strategy"] == "FULL_SHARD" and rep["reshard_after_forward"] == {"units": True, "root": False}
     assert rep["num_units"] == 2 and rep["sample_units"] == ["model.layers.0", "model.layers.1"] and rep["root_sharded"]
     assert rep["num_checkpointed"] == 2 and rep["offload"] == ["none"]
@@ -92,7 +93,8 @@ def test_first_step_checks_pass_and_leave_no_trace(diag):
     ("fp32_in_forward", "fp32-in-forward", True,
      r"mixed precision asks for bfloat16 parameters in forward, but 3 FSDP units computed with other dtypes "
      r"\(the root \(Toy\): embed.weight float32; blocks.0: blocks.0.lin.weight float32"),
-    ("skew", "param-skew", False, r"ranks hold unequal parameter shards: rank 0 .* \(ratio 1.\d+ > diagnostics.skew_warn_ratio 1.01\)"),
+    ("skew", "param-skew", False, r"ranks hold unequal parameter shards: rank 0 .* \(ratio 1.\d+ > "
+                                  r"diagnostics.skew_warn_ratio 1.01\)"),
 ])
 def test_each_mistake_gets_its_message(diag, case, code, raised, text):
     got = diag[0]["mistakes"][case]

@@ -26,7 +26,8 @@ WORKER = ROOT / "tests" / "multirank" / "s3_worker.py"
 
 
 def _launch_expecting_failure(nproc: int, *args: str, env: dict) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
+           *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **env})
     assert proc.returncode != 0, f"the launch with a rank killed mid-upload succeeded:\n{proc.stderr[-3000:]}"
@@ -244,7 +245,8 @@ def test_local_dir_mirror_serves_the_restart_until_its_manifest_differs(runs):
     corrupted = sorted(f for f in manifest["files"] if f.endswith(".distcp"))[0]
     for name in [*manifest["files"], "manifest.json"]:  # else the copy holds the bucket's bytes
         mine, theirs = (local / aside[0] / name).read_bytes(), fs.cat_file(f"{bucket}/mirror/checkpoints/step_8/{name}")
-        assert (sum(a != b for a, b in zip(mine, theirs, strict=True)) == 1) if name == corrupted else mine == theirs, name
+        assert (sum(a != b for a, b in zip(mine, theirs,
+                                           strict=True)) == 1) if name == corrupted else mine == theirs, name
 
 
 def test_overlapped_upload_writes_parts_small_files_and_aborts_cleanly(s3):

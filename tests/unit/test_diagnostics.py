@@ -154,7 +154,8 @@ def test_report_findings_logs_warnings_and_raises_errors(caplog):
             assert report_findings([err], strict=False) == [err]
         finally:
             logger.propagate = propagate
-    assert [r.getMessage() for r in caplog.records] == ["[w] a warning", "[w] a warning", "[e] an error; do this instead"]
+    assert [r.getMessage() for r in caplog.records] == ["[w] a warning", "[w] a warning",
+                                                        "[e] an error; do this instead"]
     assert isinstance(FSDPContractError([err]), ValueError)  # the CLI prints it as a user error
 
 
@@ -185,7 +186,8 @@ def test_names_and_sizes_read_like_code():
 
 def test_tensorboard_missing_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if absent
-    with pytest.raises(ImportError, match=r"logging.tensorboard=true needs the tensorboard package.*pip install tensorboard"):
+    with pytest.raises(ImportError, match=r"logging.tensorboard=true needs the tensorboard package.*pip install "
+                                          r"tensorboard"):
         TensorBoardWriter.open("tb")
 
 
@@ -211,7 +213,8 @@ def test_tensorboard_writer_maps_step_and_event_records(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeSummaryWriter))
     writer = TensorBoardWriter.open(tmp_path)
     writer.write({"step": 3, "loss": 2.5, "grad_norm": 0.7, "lr": 1e-3, "tokens_per_s": 9e3, "val_loss": 2.6})
-    writer.write({"event": "checkpoint", "step": 3, "path": "p", "mode": "async", "stall_s": 0.2, "reason": "every_steps"})
+    writer.write({"event": "checkpoint", "step": 3, "path": "p", "mode": "async", "stall_s": 0.2,
+                  "reason": "every_steps"})
     writer.write({"event": "resume", "step": 3, "path": "p", "load_s": 0.4})
     writer.close()
     writer.close()

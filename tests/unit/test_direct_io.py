@@ -64,7 +64,8 @@ def test_reader_reads_any_range(tmp_path):
     with path.open("rb") as f:
         reader = DirectReader(path, f.fileno(), bounce_bytes=2 * ALIGN)  # ranges larger than the bounce: several reads
         assert (reader._direct is not None) == opens_o_direct(tmp_path)
-        for offset, length in [(0, 1), (1, ALIGN), (ALIGN - 1, 3 * ALIGN + 2), (17, payload.numel() - 17), (0, payload.numel())]:
+        for offset, length in [(0, 1), (1, ALIGN), (ALIGN - 1, 3 * ALIGN + 2), (17, payload.numel() - 17),
+                               (0, payload.numel())]:
             out = torch.empty(length, dtype=torch.uint8)
             assert reader.pread_into(out, offset) == length
             assert torch.equal(out, payload[offset : offset + length]), (offset, length)

@@ -143,7 +143,8 @@ def test_streaming_writer_output_reads_back_with_safe_open(tmp_path):
     tensors = {"a": torch.randn(33, 5, generator=G), "b": torch.arange(7, dtype=torch.int32), "c": torch.tensor(1.5),
                "d": torch.randn(4, 4, generator=G).to(torch.bfloat16), "e": torch.zeros(0, 2)}
     path = tmp_path / "out.safetensors"
-    writer = StreamingSafetensorsWriter(path, [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()], metadata={"format": "pt"})
+    writer = StreamingSafetensorsWriter(path, [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()],
+                                        metadata={"format": "pt"})
     for k, v in tensors.items():
         writer.write_tensor(k, (v[i : i + 4] for i in range(0, max(len(v), 1), 4)) if v.dim() else [v])
     writer.close()
@@ -174,16 +175,19 @@ def test_names_are_cleaned_of_wrappers_and_the_model_namespace_is_chosen_by_path
     assert clean_name("_fsdp_wrapped_module.x", strip_prefixes=("x",), add_prefix="net.") == "net."
     keys = ["model.model.embed_tokens.weight", "model.lm_head.weight", "optim.state.x.exp_avg"]
     paths = {"model.model.embed_tokens.weight": ("model", "model.embed_tokens.weight"),
-             "model.lm_head.weight": ("model", "lm_head.weight"), "optim.state.x.exp_avg": ("optim", "state", "x", "exp_avg")}
+             "model.lm_head.weight": ("model", "lm_head.weight"),
+             "optim.state.x.exp_avg": ("optim", "state", "x", "exp_avg")}
     assert model_weights(keys, key_paths=paths) == {"model.embed_tokens.weight": "model.model.embed_tokens.weight",
                                                     "lm_head.weight": "model.lm_head.weight"}
     # torchtitan-style: model keys at the top level (even one starting with `model.`)
     flat = {"model.norm.weight": ("model.norm.weight",), "lm_head.weight": ("lm_head.weight",),
             "optimizer.state.0": ("optimizer", "state", "0")}
-    assert model_weights(list(flat), key_paths=flat) == {"model.norm.weight": "model.norm.weight", "lm_head.weight": "lm_head.weight"}
+    assert model_weights(list(flat), key_paths=flat) == {"model.norm.weight": "model.norm.weight",
+                                                         "lm_head.weight": "lm_head.weight"}
     with pytest.raises(ValueError, match="cannot tell which tensors are the model's.*--namespace"):
         model_weights(["a.w", "b.w"], key_paths={"a.w": ("a", "w"), "b.w": ("b", "w")})
-    assert model_weights(["a.w", "b.w"], key_paths={"a.w": ("a", "w"), "b.w": ("b", "w")}, namespace="b") == {"w": "b.w"}
+    assert model_weights(["a.w", "b.w"], key_paths={"a.w": ("a", "w"), "b.w": ("b", "w")},
+                         namespace="b") == {"w": "b.w"}
     with pytest.raises(ValueError, match="both become 'w'"):
         model_weights(["module.w", "w"], key_paths=None, structured=False)
 
@@ -191,8 +195,10 @@ def test_names_are_cleaned_of_wrappers_and_the_model_namespace_is_chosen_by_path
 # ---- hand-built DCP checkpoints: every chunk layout DCP can describe ----------------------------
 
 TENSORS = {
-    "embed": (torch.randn(10, 6, generator=G), [((0, 0), (4, 6), 0), ((4, 0), (4, 6), 1), ((8, 0), (2, 6), 1)]),  # uneven rows
-    "mlp.w": (torch.randn(6, 8, generator=G), [((0, 0), (3, 4), 0), ((0, 4), (3, 4), 1), ((3, 0), (3, 4), 0), ((3, 4), (3, 4), 1)]),
+    # uneven rows
+    "embed": (torch.randn(10, 6, generator=G), [((0, 0), (4, 6), 0), ((4, 0), (4, 6), 1), ((8, 0), (2, 6), 1)]),
+    "mlp.w": (torch.randn(6, 8, generator=G),
+              [((0, 0), (3, 4), 0), ((0, 4), (3, 4), 1), ((3, 0), (3, 4), 0), ((3, 4), (3, 4), 1)]),
     "norm": (torch.randn(5, generator=G), [((0,), (3,), 0), ((3,), (2,), 1), ((5,), (0,), 1)]),  # with an empty chunk
     "half": (torch.randn(4, 3, generator=G).to(torch.bfloat16), [((0, 0), (4, 3), 1)]),
     "count": (torch.tensor(7, dtype=torch.int64), [((), (), 0)]),
@@ -214,19 +220,22 @@ def write_dcp(root: Path, tensors=TENSORS, *, namespace: str = "model", drop_chu
             metas.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             if name == drop_chunk and offsets == chunks[-1][0]:
                 continue
-            storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(f"__{rank}_0.distcp", len(files[rank]), len(buf.getvalue()))
+            storage[MetadataIndex(key, torch.Size(offsets))] = _StorageInfo(f"__{rank}_0.distcp", len(files[rank]),
+                                                                            len(buf.getvalue()))
             files[rank] += buf.getvalue()
         md[key] = TensorStorageMetadata(TensorProperties(dtype=full.dtype), full.shape, metas)
         planner[key] = (namespace, name)
     blob = io.BytesIO()
     torch.save(0.25, blob)
     md["optim.param_groups.0.lr"] = BytesStorageMetadata()
-    storage[MetadataIndex("optim.param_groups.0.lr")] = _StorageInfo("__0_0.distcp", len(files[0]), len(blob.getvalue()))
+    storage[MetadataIndex("optim.param_groups.0.lr")] = _StorageInfo("__0_0.distcp", len(files[0]),
+                                                                     len(blob.getvalue()))
     files[0] += blob.getvalue()
     planner["optim.param_groups.0.lr"] = ("optim", "param_groups", 0, "lr")
     for rank, data in enumerate(files):
         (root / f"__{rank}_0.distcp").write_bytes(bytes(data))
-    (root / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata=md, planner_data=planner, storage_data=storage)))
+    (root / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata=md, planner_data=planner,
+                                                           storage_data=storage)))
     return root
 
 
@@ -282,7 +291,8 @@ def test_export_streams_every_layout_into_shards_and_converts_dtypes(ckpt, tmp_p
         want = expected.to(torch.float16) if expected.is_floating_point() else expected
         assert got[name].dtype == want.dtype and torch.equal(got[name], want), name
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
-    assert report["dtypes"] == {"float16": 4, "int64": 1} and "integer tensors are kept as stored" in report["dtype_note"]
+    assert report["dtypes"] == {"float16": 4,
+                                "int64": 1} and "integer tensors are kept as stored" in report["dtype_note"]
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
 
 
@@ -314,7 +324,8 @@ def test_prefix_options_and_plain_dcp_with_lightning_meta_pt(tmp_path):
              "optimizer": {"state": {"0": {"exp_avg": torch.ones(2)}}}}
     dcp.save(state, checkpoint_id=tmp_path / "lightning", no_dist=True)
     (tmp_path / "lightning" / "meta.pt").write_bytes(pickle.dumps(_Payload(tmp_path / "pwned")))  # never loaded
-    report = export_checkpoint(tmp_path / "lightning", tmp_path / "out", strip_prefixes=["net."], add_prefix="backbone.")
+    report = export_checkpoint(tmp_path / "lightning", tmp_path / "out", strip_prefixes=["net."],
+                               add_prefix="backbone.")
     with safe_open(tmp_path / "out" / "model.safetensors", framework="pt") as f:
         assert sorted(f.keys()) == ["backbone.b", "backbone.module.w"]
     assert report["source_kind"] == "dcp" and not (tmp_path / "pwned").exists()
@@ -382,9 +393,9 @@ def test_verify_of_plain_dcp_says_its_values_were_not_checked(tmp_path, capsys):
     assert main(["ckpt", "verify", str(flipped)]) == 0  # nothing it could check is wrong
     out = capsys.readouterr().out
     assert "checksums none recorded (plain DCP checkpoint): structure checked only" in out
-    assert out.splitlines()[-1] == ("STRUCTURE OK, VALUES NOT CHECKED: every file and chunk is present and well-formed, "
-                                    "but the checkpoint records no checksums, so tensor values could not be checked "
-                                    "(a flipped bit in one would pass)")
+    assert out.splitlines()[-1] == ("STRUCTURE OK, VALUES NOT CHECKED: every file and chunk is present and "
+                                    "well-formed, but the checkpoint records no checksums, so tensor values could not "
+                                    "be checked (a flipped bit in one would pass)")
     assert "intact" not in out and verify_checkpoint(flipped)["values_checked"] is False
 
 
@@ -402,7 +413,8 @@ def test_diff_reports_keys_shapes_dtypes_and_values(tmp_path):
     assert report["shape_changed"] == [{"name": "norm", "a": [5], "b": [4]}]
     assert report["dtype_changed"] == [{"name": "half", "a": "bfloat16", "b": "float32"}]
     assert report["tensors"]["embed"]["max_abs"] == pytest.approx(0.5) and not report["tensors"]["embed"]["equal"]
-    assert report["tensors"]["half"]["equal"] and report["tensors"]["mlp.w"] == {"max_abs": 0.0, "rel": 0.0, "equal": True}
+    assert report["tensors"]["half"]["equal"] and report["tensors"]["mlp.w"] == {"max_abs": 0.0, "rel": 0.0,
+                                                                                 "equal": True}
     assert diff_checkpoints(a, a, all_tensors=True)["identical"]
 
 
@@ -415,7 +427,8 @@ def _tiny(tied: bool) -> torch.nn.Module:
 
 def test_load_hf_weights_fills_a_plain_model_and_converts_dtypes(tmp_path):
     src = _tiny(tied=True)
-    state = {k: v.to(torch.bfloat16) for k, v in src.state_dict().items() if k != "lm_head.weight"}  # tied: written once
+    # tied: written once
+    state = {k: v.to(torch.bfloat16) for k, v in src.state_dict().items() if k != "lm_head.weight"}
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
     dst = _tiny(tied=True)
     report = load_hf_weights(dst, tmp_path)

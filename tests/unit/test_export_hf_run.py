@@ -111,7 +111,8 @@ def test_export_of_a_run_from_a_folder_loads_model_tokenizer_and_generation_conf
             shutil.copy(file, folder / file.name)
     model = trained(folder)
     ckpt = save_run(tmp_path / "ckpt", model,
-                    hf_run_config(model, path=str(folder), tokenizer=str(tokenizer) if where == "data.tokenizer" else ""))
+                    hf_run_config(model, path=str(folder),
+                                  tokenizer=str(tokenizer) if where == "data.tokenizer" else ""))
     out = tmp_path / "out"
     code, stdout, err = cli(capsys, "export", str(ckpt), str(out))
     assert code == 0, err
@@ -147,7 +148,8 @@ def test_export_of_a_run_from_a_folder_loads_model_tokenizer_and_generation_conf
     assert code == 2 and "it holds notes.txt, which an export does not write" in err
 
 
-def test_a_folder_that_is_gone_does_not_stop_the_export_and_the_output_says_what_is_missing(hf_folder, tmp_path, capsys):
+def test_a_folder_that_is_gone_does_not_stop_the_export_and_the_output_says_what_is_missing(hf_folder, tmp_path,
+                                                                                            capsys):
     folder, tokenizer = hf_folder
     model = trained(folder)
     ckpt = save_run(tmp_path / "ckpt", model, hf_run_config(model, path=str(folder), tokenizer=str(tokenizer)))
@@ -160,13 +162,16 @@ def test_a_folder_that_is_gone_does_not_stop_the_export_and_the_output_says_what
     assert (f"NOT ADDED: tokenizer files (tokenizer.json, tokenizer_config.json, chat template): the run's tokenizer "
             f"folder {tokenizer} (data.tokenizer) no longer exists; add them with python -c \"from transformers import "
             f"AutoTokenizer; AutoTokenizer.from_pretrained('TOKENIZER_FOLDER').save_pretrained('{out}')\"") in stdout
-    assert (f"NOT ADDED: generation_config.json: the run's model folder {folder} (model.path) no longer exists" in stdout
+    assert (f"NOT ADDED: generation_config.json: the run's model folder {folder} (model.path) no longer "
+            "exists" in stdout
             and f"cp ORIGINAL_FOLDER/generation_config.json {out}/" in stdout)
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and torch.equal(logits(loaded, 64), logits(model, 64))
 
     report = export_checkpoint(ckpt, tmp_path / "again")  # the same through the API, for export.on_finish
-    assert [line.split(":")[0] for line in report["not_added"]] == ["generation_config.json", "tokenizer files (tokenizer.json, tokenizer_config.json, chat template)"]
+    assert [line.split(":")[0] for line in report["not_added"]] == ["generation_config.json",
+                                                                    "tokenizer files (tokenizer.json, "
+                                                                    "tokenizer_config.json, chat template)"]
 
 
 def test_merged_lora_export_gets_the_tokenizer_and_generation_config_too(hf_folder, tmp_path):
@@ -181,7 +186,8 @@ def test_merged_lora_export_gets_the_tokenizer_and_generation_config_too(hf_fold
     ckpt = save_run(tmp_path / "ckpt", model, hf_run_config(base, path=str(folder), tokenizer=str(tokenizer),
                                                             peft=settings))
     report = export_merged(ckpt, tmp_path / "merged")
-    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(report["files"])
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+            "generation_config.json"} <= set(report["files"])
     assert report["merged"] == 4 and not report["not_added"]
     loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
@@ -202,7 +208,8 @@ TINY = {
                 "model.layers.0.block_sparse_moe.experts.3.w3.weight"),
     # renamed only: lm_head in memory, embed_out in the files
     "gpt_neox": (GPTNeoXConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                               num_attention_heads=4, max_position_embeddings=64), "lm_head.weight", "embed_out.weight"),
+                               num_attention_heads=4, max_position_embeddings=64), "lm_head.weight",
+                               "embed_out.weight"),
 }
 
 
@@ -253,7 +260,8 @@ def test_no_hub_layout_keeps_the_checkpoint_names_and_config_gives_the_layout_to
     assert sorted(files) == sorted(model.state_dict()) and memory_name in files and file_name not in files
     # a plain DCP checkpoint of the in-memory state dict (another tool's), described by --config
     dcp.save({"model": model.state_dict()}, checkpoint_id=tmp_path / "foreign", no_dist=True)
-    code, stdout, err = cli(capsys, "export", str(tmp_path / "foreign"), str(tmp_path / "out"), "--config", str(reference))
+    code, stdout, err = cli(capsys, "export", str(tmp_path / "foreign"), str(tmp_path / "out"), "--config",
+                            str(reference))
     assert code == 0, err
     assert_same_files(tmp_path / "out", reference)
     assert "wrote the hub's layout of" in stdout

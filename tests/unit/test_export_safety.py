@@ -85,7 +85,8 @@ def test_export_refuses_outputs_that_overlap_its_source(ckpt, tmp_path):
     before = sorted(p.name for p in ckpt.iterdir())
     (tmp_path / "alias").symlink_to(ckpt)
     cases = {ckpt: "is the source checkpoint", tmp_path / "alias": "is the source checkpoint",
-             ckpt / "hf": "lies inside the source checkpoint", tmp_path / "alias" / "hf": "lies inside the source checkpoint",
+             ckpt / "hf": "lies inside the source checkpoint",
+             tmp_path / "alias" / "hf": "lies inside the source checkpoint",
              tmp_path: "contains the source checkpoint"}
     for out, relation in cases.items():
         with pytest.raises(ValueError, match=f"refusing to export to {out}: it {relation} {ckpt}"):
@@ -103,7 +104,8 @@ def test_overwrite_replaces_only_an_earlier_export(ckpt, tmp_path):
         assert f.metadata()["exported_by"].startswith("fsdpkit ")
     export_checkpoint(ckpt, out, dtype="bf16", overwrite=True)  # an earlier export: replaced
     (out / "notes.txt").write_text("mine")
-    with pytest.raises(ValueError, match=r"refusing to replace .*hf: it holds notes.txt, which an export does not write"):
+    with pytest.raises(ValueError, match=r"refusing to replace .*hf: it holds notes.txt, which an export does not "
+                                         r"write"):
         export_checkpoint(ckpt, out, overwrite=True)
     assert (out / "notes.txt").read_text() == "mine"
 

@@ -25,7 +25,8 @@ def test_error_exit_comes_first_when_the_launcher_s_sigterm_has_the_same_timesta
 
 def test_ranks_killed_after_an_error_exit_were_stopped_by_the_launcher():
     failures = {0: _failure(-signal.SIGTERM, pid=10, timestamp=101), 1: _failure(1, pid=11, timestamp=100),
-                2: _failure(-signal.SIGKILL, pid=12, timestamp=131), 3: _failure(-signal.SIGSEGV, pid=13, timestamp=101)}
+                2: _failure(-signal.SIGKILL, pid=12, timestamp=131),
+                3: _failure(-signal.SIGSEGV, pid=13, timestamp=101)}
     assert describe_failures(failures, world_size=5) == [
         "rank 1 (pid 11) exited with code 1 (its traceback and error are above)",
         "then rank 0 (pid 10) was killed by SIGTERM (stopped by the launcher after rank 1 failed)",
@@ -44,7 +45,8 @@ def test_a_kill_before_any_error_exit_is_still_the_first_failure():
 
 
 def test_signals_alone_are_reported_as_from_outside():
-    failures = {1: _failure(-signal.SIGKILL, pid=11, timestamp=100), 0: _failure(-signal.SIGTERM, pid=10, timestamp=100)}
+    failures = {1: _failure(-signal.SIGKILL, pid=11, timestamp=100),
+                0: _failure(-signal.SIGTERM, pid=10, timestamp=100)}
     assert describe_failures(failures, world_size=3) == [
         f"rank 0 (pid 10) was killed by SIGTERM {OUTSIDE}",
         f"then rank 1 (pid 11) was killed by SIGKILL {OUTSIDE}",

@@ -162,7 +162,8 @@ def test_native_row_hash_equals_the_python_loop():
     for row_bytes in (1, 3, 8, 16, 17, 100, 128, 129, 240, 241, 1000, 4096, 8192 + 5):
         raw = memoryview(torch.randint(0, 256, (7 * row_bytes,), dtype=torch.uint8, generator=gen).numpy())
         for first_row in (0, 1, 12345, (1 << 64) - 7):
-            assert native(raw, row_bytes, first_row) == rows_sum_python(raw, row_bytes, first_row), (row_bytes, first_row)
+            assert native(raw, row_bytes, first_row) == rows_sum_python(raw, row_bytes, first_row), (row_bytes,
+                                                                                                     first_row)
     for dtype in (torch.float32, torch.bfloat16, torch.int8, torch.float64):
         t = (torch.randn(50, 33, generator=gen) * 50).to(dtype)[:, 1:]  # not contiguous
         assert _rows_hash(t, 3, native=True) == _rows_hash(t, 3, native=False)

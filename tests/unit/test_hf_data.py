@@ -59,7 +59,8 @@ def test_packed_samples_decode_back_to_the_documents(tmp_path, hf_tokenizer_dir,
 
 def test_chat_targets_are_the_assistant_replies_only(tmp_path, hf_tokenizer_dir, tok):
     convs = _rows("chat.jsonl", 4)
-    train, _ = _data(tmp_path, hf_tokenizer_dir, [_write(tmp_path / "chat.jsonl", convs)], "data.messages_field=messages",
+    train, _ = _data(tmp_path, hf_tokenizer_dir, [_write(tmp_path / "chat.jsonl", convs)],
+                     "data.messages_field=messages",
                      "data.packing=false", "data.seq_len=128", "data.val_fraction=0.25")
     assert len(train) == 3
     _, targets = train.labeled_batch([0, 1, 2])
@@ -97,7 +98,8 @@ def test_masked_sft_loss_equals_a_hand_computed_reference(tmp_path, hf_tokenizer
                            {"role": "user", "content": "And two minus two?"},
                            {"role": "assistant", "content": "Zero, as two minus two is zero."}]},
              {"messages": [{"role": "user", "content": "held out"}, {"role": "assistant", "content": "yes"}]}]
-    train, _ = _data(tmp_path, hf_tokenizer_dir, [_write(tmp_path / "tiny.jsonl", convs)], "data.messages_field=messages",
+    train, _ = _data(tmp_path, hf_tokenizer_dir, [_write(tmp_path / "tiny.jsonl", convs)],
+                     "data.messages_field=messages",
                      "data.packing=false", "data.seq_len=64", "data.val_fraction=0.3")
     torch.manual_seed(0)
     model = build_model(compose_config([]).model).eval()  # the reference Llama, vocab 512

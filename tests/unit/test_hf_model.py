@@ -34,7 +34,8 @@ def test_config_is_the_folders_and_overrides_are_applied_and_listed(gemma3):
     config, changed = hf_config(_cfg(gemma3))
     on_disk = json.loads((gemma3 / "config.json").read_text())
     assert changed == [] and {k: config.to_dict()[k] for k in on_disk} == on_disk and on_disk["dtype"] == "bfloat16"
-    config, changed = hf_config(_cfg(gemma3, "+model.hf_config.rms_norm_eps=1e-3", "+model.hf_config.sliding_window=16"))
+    config, changed = hf_config(_cfg(gemma3, "+model.hf_config.rms_norm_eps=1e-3",
+                                     "+model.hf_config.sliding_window=16"))
     assert config.rms_norm_eps == 1e-3 and config.sliding_window == 16
     assert changed == ["rms_norm_eps: 1e-06 -> 0.001", "sliding_window: 32 -> 16"]
     with pytest.raises(ValueError, match=r"model.hf_config.rope_thetaa: Gemma3TextConfig has no field 'rope_thetaa'"):
@@ -110,7 +111,8 @@ def test_a_one_dimensional_parameter_without_a_rule_is_named():
             super().__init__()
             self.scale = torch.nn.Parameter(torch.empty(4))
 
-    with pytest.raises(NotImplementedError, match=r"no deterministic init rule for parameter 'gate.scale' \(\[4\]\) of Gate"):
+    with pytest.raises(NotImplementedError,
+                       match=r"no deterministic init rule for parameter 'gate.scale' \(\[4\]\) of Gate"):
         init_weights(torch.nn.ModuleDict({"gate": Gate()}), seed=0, std=0.02)
 
 

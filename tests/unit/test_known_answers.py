@@ -158,7 +158,8 @@ def test_row_ranges_sum_to_the_whole_tensors_known_answer(row_hash, algorithm):
         t = make(name)
         for cuts in cuts_list:
             bounds = [0, *cuts, t.shape[0]]
-            total = sum(hash_part(t[a:b], first_row=a, algorithm=algorithm) for a, b in zip(bounds, bounds[1:], strict=False))
+            total = sum(hash_part(t[a:b], first_row=a, algorithm=algorithm) for a, b in zip(bounds, bounds[1:],
+                                                                                            strict=False))
             assert f"{total & M64:016x}" == KNOWN[algorithm][name], (name, cuts)
 
 
@@ -190,7 +191,8 @@ SEALED_MANIFEST = {
     "fingerprint": {"tensors": {"w": {"shape": [4, 3], "dtype": "float32"}}, "vocab_size": 4, "tied_embeddings": False},
     "trainer": {"train": {"step": 7, "samples": 56}, "data": {"epoch": 0, "position": None}},
     "tensors": {"model.w": {"shape": [4, 3], "dtype": "float32", "hash": "0123456789abcdef"}},
-    "files": {"__0_0.distcp": {"size": 1234, "xxh3_64": "fedcba9876543210"}, ".metadata": {"size": 99, "xxh3_64": "00000000000000ff"}},
+    "files": {"__0_0.distcp": {"size": 1234, "xxh3_64": "fedcba9876543210"},
+              ".metadata": {"size": 99, "xxh3_64": "00000000000000ff"}},
 }
 # Its canonical form, written out by hand: keys sorted at every level, no whitespace, non-ASCII
 # as \\u escapes, floats as Python's repr, true/false/null.

@@ -80,8 +80,10 @@ def test_a_restored_tensor_that_differs_fails_the_load_only_when_verification_is
         if changed == "model.weight":
             _change_one_weight_after_restoring(ckpt)
         if verify_on_load:
-            with pytest.raises(CheckpointMismatchError, match=rf"restored state differs from checkpoint {root / 'step_1'} "
-                                                              rf"\(1 problem\(s\)\):\n  {changed}: hash saved [0-9a-f]{{16}}, "
+            with pytest.raises(CheckpointMismatchError,
+                               match=rf"restored state differs from checkpoint {root / 'step_1'} "
+                                                              rf"\(1 problem\(s\)\):\n  {changed}: hash saved "
+                                                              rf"[0-9a-f]{{16}}, "
                                                               r"restored [0-9a-f]{16}$"):
                 ckpt.resume()
             assert ckpt.resumed is None and RAN not in caplog.text

@@ -37,7 +37,8 @@ def test_a_restart_reads_the_copy_only_when_it_matches_the_bucket(mirrored):
     _commit(root, copy, "step_2", {"__0_0.distcp": b"abc", ".metadata": b"m"})
     assert copy.mirror_dir(root / "step_2.incoming") == local / "step_2"  # a replacement lands on its name
     assert (local / "step_2" / MANIFEST).read_bytes() == (root / "step_2" / MANIFEST).read_bytes()
-    assert copy.usable(root / "step_2") == (local / "step_2", "its manifest equals the remote one and every file is there")
+    assert copy.usable(root / "step_2") == (local / "step_2",
+                                            "its manifest equals the remote one and every file is there")
     (local / "step_2" / "__0_0.distcp").write_bytes(b"ab")  # a truncated file
     found, why = copy.usable(root / "step_2")
     assert found is None and why.endswith("__0_0.distcp is missing or has the wrong size")
@@ -80,7 +81,8 @@ def test_local_dir_is_refused_where_it_cannot_work(tmp_path, mirrored, monkeypat
     base = [f"run_dir={run}", "checkpoint.dir=s3://bucket/run/checkpoints"]
     for overrides, message in (
         ([f"run_dir={run}", f"checkpoint.local_dir={tmp_path / 'm'}"], "is local already; set checkpoint.dir to a URL"),
-        ([*base, "checkpoint.local_dir=s3://bucket/mirror"], "checkpoint.local_dir='s3://bucket/mirror' is a s3:// URL"),
+        ([*base, "checkpoint.local_dir=s3://bucket/mirror"],
+         "checkpoint.local_dir='s3://bucket/mirror' is a s3:// URL"),
         ([*base, f"checkpoint.local_dir={run}"], "overlaps run_dir"),
         ([*base, f"checkpoint.local_dir={tmp_path}"], "overlaps run_dir"),
         ([*base, f"checkpoint.local_dir={run / 'export' / 'm'}"], "overlaps export.dir"),

@@ -114,7 +114,8 @@ def test_optimizer_state_without_an_optimizer_is_refused_unless_model_only(tmp_p
     assert _equal(_weights(teacher), before)  # nothing was loaded
 
     # a frozen teacher from a student's run: its own directory, the weights of a named checkpoint
-    with Checkpointer(tmp_path / "teacher", model=teacher, resume=str(root / "step_1"), resume_mode="model_only") as ckpt:
+    with Checkpointer(tmp_path / "teacher", model=teacher, resume=str(root / "step_1"),
+                      resume_mode="model_only") as ckpt:
         assert ckpt.resume() == 0 and ckpt.resumed.mode == "model_only"
     assert _equal(_weights(teacher), weights)
 
@@ -127,7 +128,8 @@ def test_no_optimizer_state_with_an_optimizer_is_refused_unless_model_only(ema_r
     ckpt = Checkpointer(root, model=model, optimizer=opt, state={"ema": {}})
     with pytest.raises(CheckpointMismatchError,
                        match=rf"checkpoint {root / 'step_4'} was saved without an optimizer .* and this Checkpointer "
-                             r"has an optimizer \(AdamW\); nothing was loaded. Leave optimizer= out .* resume_mode='model_only'"):
+                             r"has an optimizer \(AdamW\); nothing was loaded. Leave optimizer= out .* "
+                             r"resume_mode='model_only'"):
         ckpt.resume()
     assert _equal(_weights(model), before) and opt.state_dict()["state"] == {}
 

@@ -43,7 +43,8 @@ def runs(tmp_path) -> tuple[Path, Path]:
     full[5]["val_loss"] = 3.0
     first = [step_record(s, bump=0.5 if s > 10 else 0.0) for s in range(1, 13)]
     first.insert(10, ckpt_event(10))
-    resumed = first + ['{"step": 13, "loss": 2.', {"event": "resume", "step": 10, "path": "ckpt/step_10", "load_s": 0.4}]
+    resumed = first + ['{"step": 13, "loss": 2.',
+                       {"event": "resume", "step": 10, "path": "ckpt/step_10", "load_s": 0.4}]
     resumed += [step_record(s) for s in range(11, 21)]
     return write_run(tmp_path / "uninterrupted", full), write_run(tmp_path / "resumed", resumed)
 

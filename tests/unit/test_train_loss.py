@@ -76,7 +76,8 @@ def test_micro_batches_add_the_aux_term_weighted_by_their_trained_targets():
     labels[1][0, :5] = IGNORE_INDEX
     with torch.no_grad():
         # transformers' pieces of each micro-batch: its mean CE (aux off for this call) and its aux_loss
-        ce = [float(model(input_ids=x, labels=y, output_router_logits=False).loss) for x, y in zip(xs, labels, strict=True)]
+        ce = [float(model(input_ids=x, labels=y, output_router_logits=False).loss) for x, y in zip(xs, labels,
+                                                                                                   strict=True)]
         aux = [float(model(input_ids=x).aux_loss) for x in xs]
         terms = [masked_loss_terms(model, x, as_targets(y)) for x, y in zip(xs, labels, strict=True)]
     n = [16, 4]  # trained targets: 2 rows x 8, and 1 row x 8 with labels 1-4 masked (label 0 is no target)

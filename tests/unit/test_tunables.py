@@ -61,7 +61,8 @@ def test_every_tunable_refuses_garbage(spec):
 
 
 def test_a_lock_that_goes_stale_between_two_heartbeats_is_refused():
-    with pytest.raises(ValueError, match="FSDPKIT_OBJECT_LOCK_STALE_S=30 must exceed FSDPKIT_OBJECT_LOCK_HEARTBEAT_S=30"):
+    with pytest.raises(ValueError, match="FSDPKIT_OBJECT_LOCK_STALE_S=30 must exceed "
+                                         "FSDPKIT_OBJECT_LOCK_HEARTBEAT_S=30"):
         tunables.from_environ({"FSDPKIT_OBJECT_LOCK_STALE_S": "30"})
 
 

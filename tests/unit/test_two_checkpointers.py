@@ -149,7 +149,8 @@ def test_two_checkpointers_keep_their_own_storage_mirror_and_cadence(world_of_on
     assert s2.resumed.path == str(mirror / "step_6")  # read from the student's local copy
     assert e2.resumed.mirror_of is None and e2.resumed.path == f"{SCHEME}://{buckets['ema']}/ckpt/step_6"
     assert events2["student"] == [s2.resumed.record()]  # on_event gets the JSON record, as before
-    assert list(events2["ema"][0]) == ["event", "step", "path", "load_s", "verify_s", "saved_world_size", "mode", "notes"]
+    assert list(events2["ema"][0]) == ["event", "step", "path", "load_s", "verify_s", "saved_world_size", "mode",
+                                       "notes"]
     assert _bitwise(_state(student2, opt2), saved["student"]) and _bitwise(_state(ema2), saved["ema"])
     assert data2 == {"position": 24} and counters2 == {"updates": 6}
     for who, bucket in buckets.items():

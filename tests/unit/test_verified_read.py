@@ -80,7 +80,8 @@ def test_row_slices_are_read_on_their_own_other_slices_go_to_dcp(saved, monkeypa
                "h": torch.empty(4, 3), "cols": torch.empty(10, 2)}  # h: bf16 saved, fp32 target (a cast)
     items = [_item("w", (3, 0), (4, 6)), _item("v", (5,), (2,)), _item("s", (), ()), _item("h", (0, 0), (4, 3))]
     cols = _item("w", (0, 2), (10, 2))  # columns are not whole rows: DCP reads them
-    cols = ReadItem(type=cols.type, dest_index=MetadataIndex("cols", torch.Size([0, 0])), dest_offsets=cols.dest_offsets,
+    cols = ReadItem(type=cols.type, dest_index=MetadataIndex("cols", torch.Size([0, 0])),
+                    dest_offsets=cols.dest_offsets,
                     storage_index=cols.storage_index, storage_offsets=cols.storage_offsets, lengths=cols.lengths)
     planner = _Planner(targets)
     reader = _reader(path)
@@ -105,7 +106,8 @@ def test_a_file_whose_every_item_is_touched_but_only_in_part(saved, monkeypatch,
     real = VerifyingFileSystemReader._load_whole
     monkeypatch.setattr(VerifyingFileSystemReader, "_load_whole",
                         lambda self, name, *a: (whole.append(name), real(self, name, *a))[1])
-    targets = {"w": torch.empty(2, 6), "v": torch.empty(2), "s": torch.empty(()), "h": torch.empty(1, 3, dtype=torch.bfloat16)}
+    targets = {"w": torch.empty(2, 6), "v": torch.empty(2), "s": torch.empty(()),
+               "h": torch.empty(1, 3, dtype=torch.bfloat16)}
     items = [_item("w", (3, 0), (2, 6)), _item("v", (0,), (2,)), _item("s", (), ()), _item("h", (1, 0), (1, 3))]
     reader = _reader(path, hash_files=hash_files)
     size = reader.sizes[reader.storage_data[MetadataIndex("w", torch.Size([0, 0]))].relative_path]
@@ -129,7 +131,8 @@ def test_ranks_of_a_host_that_need_parts_of_a_file_share_it_one_reads_it_whole(t
     calls: list[tuple[int, str, str]] = []
     real_whole, real_rows = VerifyingFileSystemReader._load_whole, VerifyingFileSystemReader._read_rows
     monkeypatch.setattr(VerifyingFileSystemReader, "_load_whole",
-                        lambda self, name, *a: (calls.append((self.rank_for_test, "whole", name)), real_whole(self, name, *a))[1])
+                        lambda self, name, *a: (calls.append((self.rank_for_test, "whole", name)),
+                                                real_whole(self, name, *a))[1])
     monkeypatch.setattr(VerifyingFileSystemReader, "_read_rows", lambda self, in_part, planner: (
         calls.extend((self.rank_for_test, "rows", n) for n in in_part), real_rows(self, in_part, planner))[1])
     gen = torch.Generator().manual_seed(2)
@@ -254,7 +257,8 @@ def test_file_checksum_over_several_read_chunks(tmp_path):
 def large(tmp_path):
     """Tensors above FSDPKIT_DIRECT_READ_BYTES (read straight into their targets) beside small ones."""
     gen = torch.Generator().manual_seed(2)
-    state = {"big": torch.randn(512, 1024, generator=gen), "half": torch.randn(1024, 600, generator=gen).to(torch.bfloat16),
+    state = {"big": torch.randn(512, 1024, generator=gen),
+             "half": torch.randn(1024, 600, generator=gen).to(torch.bfloat16),
              "small": torch.randn(8, 8, generator=gen), "s": torch.tensor(1.5)}
     dcp.save(state, checkpoint_id=tmp_path, no_dist=True)
     return tmp_path, state

@@ -205,7 +205,8 @@ class DirectWriter:
         self._buffer: torch.Tensor | None = None
         self._buffers: list[torch.Tensor] = []  # every staging buffer, given back to BUFFERS at the end
         if self._direct is not None:
-            self._buffers = [BUFFERS.take(buffer_bytes) for _ in range(writers + 1)]  # one filled while `writers` are written
+            # one filled while `writers` are written
+            self._buffers = [BUFFERS.take(buffer_bytes) for _ in range(writers + 1)]
             for buf in self._buffers[1:]:
                 self._free.put(buf)
             self._buffer = self._buffers[0]

@@ -6,7 +6,8 @@ model; choose it for small models or for a single-file artefact, and `sharded` o
     step_<N>/model.safetensors       model tensors by FQN (tied weights stored once per name)
     step_<N>/optimizer.safetensors   `<fqn>.<state>` tensors (exp_avg, exp_avg_sq, step); absent without an optimizer
     step_<N>/rng.safetensors         `rank<r>.<generator>` tensors, gathered from every rank
-    step_<N>/manifest.json           param groups in `optimizer_param_groups` ([] without an optimizer); the usual fields
+    step_<N>/manifest.json           param groups in `optimizer_param_groups` ([] without an optimizer);
+                                     the usual fields
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(out, str(path))
 
 
-def write_full(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None) -> dict[str, Any]:
+def write_full(target: CheckpointTarget, ckpt_dir: Path, *, rank: int,
+               group: tdist.ProcessGroup | None) -> dict[str, Any]:
     """Gather and write; collective. Returns (on rank 0) the manifest's `files` and param groups."""
     if target.optimizer is not None:
         model_sd, optim_sd = get_state_dict(target.model, target.optimizer, options=GATHER)

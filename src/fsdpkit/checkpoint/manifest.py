@@ -78,14 +78,16 @@ def fingerprint_diff(saved: dict[str, Any], current: dict[str, Any]) -> list[str
     lines += [f"  only in model:      {k} {b[k]['shape']} {b[k]['dtype']}" for k in sorted(b.keys() - a.keys())]
     for k in sorted(a.keys() & b.keys()):
         if a[k] != b[k]:
-            lines.append(f"  changed: {k}: checkpoint {a[k]['shape']} {a[k]['dtype']}, model {b[k]['shape']} {b[k]['dtype']}")
+            lines.append(f"  changed: {k}: checkpoint {a[k]['shape']} {a[k]['dtype']}, model {b[k]['shape']} "
+                         f"{b[k]['dtype']}")
     return lines
 
 
 def sharding_notes(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """Differences that loading tolerates but the user should know about."""
     return [f"{key} changed: checkpoint {saved.get(key)!r}, now {current.get(key)!r}"
-            for key in ("wrap_policy", "activation_checkpointing", "mixed_precision", "reshard_after_forward", "compiled")
+            for key in ("wrap_policy", "activation_checkpointing", "mixed_precision", "reshard_after_forward",
+                        "compiled")
             if saved.get(key) != current.get(key)]
 
 
@@ -114,7 +116,8 @@ def optimizer_summary(optimizer: torch.optim.Optimizer | None, *, step: int) -> 
     None (`"optimizer": null`) records a checkpoint saved without an optimizer (an EMA, a teacher)."""
     if optimizer is None:
         return None
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])} for g in optimizer.param_groups]
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"num_params": len(g["params"])}
+              for g in optimizer.param_groups]
     state_keys = sorted({k for s in optimizer.state.values() for k in s})
     return {"class": type(optimizer).__name__, "param_groups": groups, "state_keys": state_keys, "step": step}
 
@@ -154,10 +157,12 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointCorruptError(f"{path} cannot be read ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         what = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise CheckpointCorruptError(f"{path} is not an fsdpkit manifest (format={what!r}); the checkpoint cannot be trusted")
+        raise CheckpointCorruptError(f"{path} is not an fsdpkit manifest (format={what!r}); the checkpoint cannot be "
+                                     "trusted")
     version = manifest.get("format_version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise CheckpointCorruptError(f"{path} has no valid format_version ({version!r}); the checkpoint cannot be trusted")
+        raise CheckpointCorruptError(f"{path} has no valid format_version ({version!r}); the checkpoint cannot be "
+                                     "trusted")
     if version > FORMAT_VERSION:
         raise CheckpointCorruptError(
             f"{path} has format_version {version}; this fsdpkit reads up to {FORMAT_VERSION}: upgrade fsdpkit"
@@ -181,7 +186,8 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     if isinstance(counters, dict) and counters.get("step", manifest["step"]) != manifest["step"]:
         problems.append(f"`step` {manifest['step']} differs from the trainer counters' step {counters.get('step')!r}")
     if problems:
-        raise CheckpointCorruptError(f"{path} is malformed: " + "; ".join(problems) + "; the checkpoint cannot be trusted")
+        raise CheckpointCorruptError(f"{path} is malformed: " + "; ".join(problems)
+                                     + "; the checkpoint cannot be trusted")
     return manifest
 
 
@@ -193,5 +199,6 @@ def check_files_present(ckpt_dir: Path, manifest: dict[str, Any]) -> list[str]:
         if not path.is_file():
             problems.append(f"{name} is missing")
         elif path.stat().st_size != info["size"]:
-            problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {info['size']} (truncated or overwritten)")
+            problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {info['size']} (truncated or "
+                            "overwritten)")
     return problems

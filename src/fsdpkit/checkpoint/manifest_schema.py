@@ -101,7 +101,8 @@ REQUIRED: dict[str, Check] = {
     "world_size": integer(1),
     "state_dict_type": one_of("sharded", "full"),
     # vocab_size and tied_embeddings: written since they were added; older manifests lack them
-    "fingerprint": record({"tensors": map_of(TENSOR_INFO)}, optional={"vocab_size": integer(1), "tied_embeddings": boolean}),
+    "fingerprint": record({"tensors": map_of(TENSOR_INFO)},
+                          optional={"vocab_size": integer(1), "tied_embeddings": boolean}),
     "trainer": map_of(mapping),
     "tensors": map_of(record({"shape": list_of(integer()), "dtype": string, "hash": hex_digest})),
     "files": map_of(record({"size": integer(0), "xxh3_64": hex_digest})),

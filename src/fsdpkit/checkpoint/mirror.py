@@ -138,7 +138,8 @@ class Mirror:
 
 def check_single_node(local_dir: str) -> None:
     """Raise ValueError when the ranks span several nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE)."""
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                              os.environ.get("WORLD_SIZE", "1")))
     if local_dir and local < world:
         raise ValueError(f"checkpoint.local_dir={local_dir}: this job runs {world} ranks on several nodes "
                          f"({local} on this one); a node-local mirror holds only this node's files and could never "

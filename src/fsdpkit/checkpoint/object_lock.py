@@ -73,10 +73,10 @@ class ObjectLock:
             if time.monotonic() >= deadline:
                 raise CheckpointError(
                     f"checkpoint.dir={self.root} is in use by another run (lock {self.path}: host "
-                    f"{holder.get('host')}, pid {holder.get('pid')}, heartbeat {time.time() - float(holder['heartbeat']):.0f} s "
-                    "ago): two runs must never write into one checkpoint prefix. Wait for it to end, stop it, or "
-                    f"set checkpoint.dir to another prefix (a lock silent for "
-                    f"{tunables.current().object_lock_stale_s:.0f} s is taken over)")
+                    f"{holder.get('host')}, pid {holder.get('pid')}, heartbeat "
+                    f"{time.time() - float(holder['heartbeat']):.0f} s ago): two runs must never write into one "
+                    "checkpoint prefix. Wait for it to end, stop it, or set checkpoint.dir to another prefix (a lock "
+                    f"silent for {tunables.current().object_lock_stale_s:.0f} s is taken over)")
             time.sleep(0.5)
         self.path.write_text(json.dumps(self._record()))
         if (holder := self._holder()) is not None and holder.get("owner") != self.owner:

@@ -139,7 +139,8 @@ def _read_record(source: str, pickled: bytes) -> _TensorRecord:
     except UnsafeCheckpointError:
         raise
     except Exception as exc:  # any decoding failure of untrusted bytes means "corrupt"
-        raise CheckpointCorruptError(f"`{source}` does not hold a readable saved tensor ({type(exc).__name__}: {exc})") from exc
+        raise CheckpointCorruptError(f"`{source}` does not hold a readable saved tensor ({type(exc).__name__}: "
+                                     f"{exc})") from exc
     if not isinstance(record, _TensorRecord):
         raise CheckpointCorruptError(f"`{source}` holds a {type(record).__name__}, not a tensor")
     return record
@@ -158,9 +159,11 @@ def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
     try:
         archive = zipfile.ZipFile(blob)
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointCorruptError(f"`{source}` is not a torch.save archive ({exc}); the file is truncated or garbled") from None
+        raise CheckpointCorruptError(f"`{source}` is not a torch.save archive ({exc}); the file is truncated or "
+                                     "garbled") from None
     with archive:
-        pkl = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"), None)
+        pkl = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"),
+                   None)
         if pkl is None:
             raise CheckpointCorruptError(f"`{source}` has no data.pkl: not a torch.save archive")
         prefix = pkl.filename[: -len("data.pkl")]
@@ -179,7 +182,8 @@ def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
     itemsize = record.dtype.itemsize
     needed = (record.storage_offset + _extent(record.shape, record.stride)) * itemsize
     if info.file_size < needed:
-        raise CheckpointCorruptError(f"`{source}`: storage record holds {info.file_size} bytes, the tensor needs {needed}")
+        raise CheckpointCorruptError(f"`{source}`: storage record holds {info.file_size} bytes, the tensor needs "
+                                     f"{needed}")
     blob.seek(0, io.SEEK_END)
     if data_start + info.file_size > blob.tell():
         raise CheckpointCorruptError(f"`{source}`: storage record runs past the end of the blob (truncated)")

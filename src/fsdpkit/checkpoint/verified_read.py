@@ -129,7 +129,8 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._chunk_sizes = {MetadataIndex(fqn, chunk.offsets): tuple(chunk.sizes)
-                             for fqn, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)
+                             for fqn, md in metadata.state_dict_metadata.items()
+                             if isinstance(md, TensorStorageMetadata)
                              for chunk in md.chunks}
         self._file_items: dict[str, list[tuple[MetadataIndex, _StorageInfo]]] = {}
         for index, info in self.storage_data.items():
@@ -173,7 +174,8 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         """(The coordinator) which rank reads which of those files whole (`assign_whole_readers`)."""
         plans = super().prepare_global_plan(plans)
         whole, wait = assign_whole_readers([p.storage_data for p in plans], self.sizes, hash_files=self.hash_files)
-        return [dataclasses.replace(p, storage_data={"read_whole": sorted(w), "wait": wait}) for p, w in zip(plans, whole, strict=True)]
+        return [dataclasses.replace(p, storage_data={"read_whole": sorted(w), "wait": wait})
+                for p, w in zip(plans, whole, strict=True)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         assigned = plan.storage_data if isinstance(plan.storage_data, dict) else {}
@@ -345,7 +347,8 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
         located: list[tuple[ReadItem, int, str, futures.Future]] = []
         done: list[tuple[ReadItem, torch.Tensor, futures.Future]] = []
         # The pool is left first (its reads finished, even on an error), then the files are closed.
-        with ExitStack() as files, ThreadPoolExecutor(max_workers=ROW_READ_THREADS, thread_name_prefix="fsdpkit-load-rows") as pool:
+        with ExitStack() as files, ThreadPoolExecutor(max_workers=ROW_READ_THREADS,
+                                                      thread_name_prefix="fsdpkit-load-rows") as pool:
             for name, reqs in in_part.items():
                 path = self.fs.concat_path(self.path, name)
                 file = files.enter_context(open(path, "rb"))  # noqa: SIM115
@@ -372,7 +375,8 @@ class VerifyingFileSystemReader(SafeFileSystemReader):
                 straight = target.is_contiguous() and target.dtype == payload.dtype
                 out = target if straight else torch.empty(tuple(req.lengths), dtype=payload.dtype)
                 start, nbytes = span
-                job = functools.partial(_pread_exactly, fd, out, info.offset + payload.data_start + start, nbytes, where=where)
+                job = functools.partial(_pread_exactly, fd, out, info.offset + payload.data_start + start, nbytes,
+                                        where=where)
                 if straight:
                     done.append((req, target, pool.submit(job)))
                 else:  # a cast: one temporary at a time

@@ -15,10 +15,11 @@ from fsdpkit import tunables
 from fsdpkit.config.paths import check_url
 from fsdpkit.config.schema import ExportConfig
 
-CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp; also as an s3:// URL, credentials "
-                  "and endpoint from the AWS_* environment), a checkpoints or run directory "
+CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp; also as an s3:// URL, "
+                  "credentials and endpoint from the AWS_* environment), a checkpoints or run directory "
                   "(its `latest` is used), an Accelerate save_state folder (its pytorch_model_fsdp_0/), a folder of "
-                  "step directories (the newest by the number in its name), a Hugging Face folder or a .safetensors file")
+                  "step directories (the newest by the number in its name), a Hugging Face folder or a .safetensors "
+                  "file")
 
 EXPORT_HELP = """\
 Write a checkpoint's model weights as safetensors, streaming: tensors are read from the shards a
@@ -90,10 +91,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     e.add_argument("ckpt", metavar="CKPT", help=CKPT_PATH_HELP)
     e.add_argument("out", metavar="OUT", help="output directory (--format hf) or file (--format single)")
     e.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                   help="dtype of floating-point tensors (default: as stored, i.e. fp32 master weights for fsdpkit runs)")
+                   help="dtype of floating-point tensors (default: as stored, i.e. fp32 master weights for fsdpkit "
+                        "runs)")
     e.add_argument("--max-shard-size", default=ExportConfig.max_shard_size, metavar="SIZE",
-                   help=f"largest output file of --format hf, e.g. 5GB, 500MB, 2GiB (default {ExportConfig.max_shard_size}, "
-                        "as export.max_shard_size)")
+                   help="largest output file of --format hf, e.g. 5GB, 500MB, 2GiB (default "
+                        f"{ExportConfig.max_shard_size}, as export.max_shard_size)")
     e.add_argument("--format", dest="fmt", choices=["hf", "single"], default="hf",
                    help="hf: a Hugging Face folder (default); single: one .safetensors file")
     e.add_argument("--config", default=None, metavar="FILE_OR_DIR",
@@ -120,13 +122,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "save_pretrained writes (per-expert MoE tensors, legacy names)")
     e.add_argument("--verbose", action="store_true", help="show torch's own warnings (hidden by default)")
     e.add_argument("--verify", action="store_true",
-                   help="recompute every file checksum of an fsdpkit checkpoint first (default: check presence and sizes)")
+                   help="recompute every file checksum of an fsdpkit checkpoint first (default: check presence and "
+                        "sizes)")
     e.add_argument("--json", action="store_true", help="print the export report as JSON")
     lora = e.add_mutually_exclusive_group()
     lora.add_argument("--adapter", action="store_true",
-                      help="LoRA runs: write only the adapter as a PEFT folder (adapter_model.safetensors, adapter_config.json)")
+                      help="LoRA runs: write only the adapter as a PEFT folder (adapter_model.safetensors, "
+                           "adapter_config.json)")
     lora.add_argument("--merge", action="store_true",
-                      help="LoRA runs: write the model with the adapters merged into its weights (a Hugging Face folder)")
+                      help="LoRA runs: write the model with the adapters merged into its weights (a Hugging Face "
+                           "folder)")
     e.add_argument("--base-model", default="", metavar="NAME",
                    help="--adapter: base_model_name_or_path to record (default: the run's model.init_from folder)")
 
@@ -140,16 +145,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     v = cmds.add_parser("verify", help="recompute checksums and check every file and chunk is present and complete",
                         description="Recompute every file checksum recorded in manifest.json (in parallel), check that "
-                                    "every file and every tensor chunk listed in the DCP metadata is present and complete, "
-                                    "and name each bad file. Plain DCP directories and safetensors files carry no checksums: "
-                                    "their structure is checked, not their tensor values, and the verdict says so. Exit 0 "
-                                    "when nothing checked is wrong, 1 when anything is, 2 when CKPT is not a checkpoint "
-                                    "at all.")
+                                    "every file and every tensor chunk listed in the DCP metadata is present and "
+                                    "complete, and name each bad file. Plain DCP directories and safetensors files "
+                                    "carry no checksums: their structure is checked, not their tensor values, and the "
+                                    "verdict says so. Exit 0 when nothing checked is wrong, 1 when anything is, 2 when "
+                                    "CKPT is not a checkpoint at all.")
     v.add_argument("ckpt", metavar="CKPT", help=CKPT_PATH_HELP)
     v.add_argument("--threads", type=int, default=None,
                    help=f"parallel checks (default: FSDPKIT_VERIFY_THREADS, else {tunables.DEFAULTS.verify_threads})")
     v.add_argument("--tensors", action="store_true",
-                   help="also recompute every tensor's checksum from the data and compare with the manifest (reads it all again)")
+                   help="also recompute every tensor's checksum from the data and compare with the manifest (reads it "
+                        "all again)")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
 
     d = cmds.add_parser("diff", help="compare two checkpoints tensor by tensor",
@@ -160,7 +166,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     d.add_argument("a", metavar="A", help=CKPT_PATH_HELP)
     d.add_argument("b", metavar="B", help="the same kinds of path as A")
     d.add_argument("--all", action="store_true",
-                   help="compare every tensor under its raw key (optimizer, RNG too); default: model weights by exported name")
+                   help="compare every tensor under its raw key (optimizer, RNG too); default: model weights by "
+                        "exported name")
     d.add_argument("--namespace", default=None, metavar="NAME", help="as for export, for plain DCP checkpoints")
     d.add_argument("--json", action="store_true", help="print the full report as JSON")
 
@@ -175,7 +182,8 @@ def _export_lora(args: argparse.Namespace) -> int:
     if args.fmt != "hf":
         raise ValueError("--adapter and --merge write folders: drop --format single")
     if args.adapter:
-        report = _into_out(args, lambda out: export_adapter(args.ckpt, out, dtype=args.dtype, base_model=args.base_model,
+        report = _into_out(args, lambda out: export_adapter(args.ckpt, out, dtype=args.dtype,
+                                                            base_model=args.base_model,
                                                             overwrite=args.overwrite, verify=args.verify))
     else:
         report = _into_out(args, lambda out: export_merged(args.ckpt, out, dtype=args.dtype, overwrite=args.overwrite,
@@ -183,7 +191,8 @@ def _export_lora(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report)
         return 0
-    what = "adapter tensors" if args.adapter else f"tensors ({report['merged']} with LoRA merged, scale {report['scale']:g})"
+    merged = f"tensors ({report['merged']} with LoRA merged, scale {report['scale']:g})"
+    what = "adapter tensors" if args.adapter else merged
     print(f"exported {report['num_tensors']} {what} from {report['source']} (step {report['step']}) to {report['out']} "
           f"in {report['seconds']:.2f} s: {', '.join(report['files'])}")
     _print_folder_files(report)
@@ -206,8 +215,8 @@ def _export(args: argparse.Namespace) -> int:
     from fsdpkit.export.adapter import is_lora_checkpoint
 
     if is_lora_checkpoint(args.ckpt):
-        raise ValueError(f"{args.ckpt} is a LoRA run (model.peft.method=lora): its weights carry peft's layer names, which "
-                         "no model loads; pass --merge for the merged model or --adapter for the PEFT adapter")
+        raise ValueError(f"{args.ckpt} is a LoRA run (model.peft.method=lora): its weights carry peft's layer names, "
+                         "which no model loads; pass --merge for the merged model or --adapter for the PEFT adapter")
 
     if args.no_config and args.config:
         raise ValueError("--config and --no-config contradict each other; pass one")
@@ -215,7 +224,8 @@ def _export(args: argparse.Namespace) -> int:
         if not args.verbose:  # dcp.load's notes on a process-group-less load are torch's business, not the user's
             warnings.simplefilter("ignore")
         report = _into_out(args, lambda out: export_checkpoint(
-            args.ckpt, out, dtype=args.dtype, max_shard_size=args.max_shard_size, fmt=args.fmt, namespace=args.namespace,
+            args.ckpt, out, dtype=args.dtype, max_shard_size=args.max_shard_size, fmt=args.fmt,
+            namespace=args.namespace,
             strip_prefixes=args.strip_prefix, add_prefix=args.add_prefix, reader=args.reader, overwrite=args.overwrite,
             write_config=not args.no_config, config=args.config, verify=args.verify,
             hub_layout=not args.no_hub_layout))
@@ -225,8 +235,8 @@ def _export(args: argparse.Namespace) -> int:
     for note in report["notes"]:
         print(note)
     step = f" (step {report['step']})" if report["step"] is not None else ""
-    print(f"exported {report['num_tensors']} tensors, {report['total_size'] / 2**20:.2f} MiB, from {report['source']}{step} "
-          f"to {report['out']} in {report['seconds']:.2f} s")
+    print(f"exported {report['num_tensors']} tensors, {report['total_size'] / 2**20:.2f} MiB, from "
+          f"{report['source']}{step} to {report['out']} in {report['seconds']:.2f} s")
     for name, info in report["files"].items():
         print(f"  {name}: {info['tensors']} tensors, {info['bytes']:,} bytes")
     if report["index"]:

@@ -53,7 +53,8 @@ def describe_failures(failures: dict[int, Any], *, world_size: int) -> list[str]
         lines.append(what if i == 0 else f"then {what}")
     others = sorted(set(range(world_size)) - set(failures))
     if others:
-        lines.append(f"the launcher then stopped rank(s) {', '.join(map(str, others))} (SIGTERM, SIGKILL after its grace period)")
+        lines.append(f"the launcher then stopped rank(s) {', '.join(map(str, others))} (SIGTERM, SIGKILL after its "
+                     "grace period)")
     return lines
 
 

@@ -44,7 +44,8 @@ examples:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fsdpkit", description="Train large models with FSDP2; trust every checkpoint.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("train", help="train a model", description=TRAIN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    t = sub.add_parser("train", help="train a model", description=TRAIN_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="launch N local ranks through torch's elastic launcher (torchrun --standalone)")
     t.add_argument("--max-restarts", type=int, default=0, metavar="K",
@@ -55,13 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="Hydra overrides")
     r = sub.add_parser("resume-check", help="prove that resuming your config is seamless",
                        description="Run the config uninterrupted, then saved at --save-at, interrupted and resumed "
-                                   "(optionally on --resume-nproc ranks, with --resume-overrides); check from the resumed "
-                                   "run's own records (the resume event in metrics.jsonl) that it loaded the full state of "
-                                   "step --save-at saved on --nproc ranks; print per-step loss and grad-norm differences. "
-                                   "Exit 1 if no such resume is recorded or any difference exceeds the tolerance (0 when "
-                                   "the resumed run changes nothing, with deterministic=true; else 1e-6 relative when "
-                                   "policy.mixed_precision keeps every dtype fp32, 5e-4 otherwise, custom _target_ "
-                                   "policies included).")
+                                   "(optionally on --resume-nproc ranks, with --resume-overrides); check from the "
+                                   "resumed run's own records (the resume event in metrics.jsonl) that it loaded the "
+                                   "full state of step --save-at saved on --nproc ranks; print per-step loss and "
+                                   "grad-norm differences. Exit 1 if no such resume is recorded or any difference "
+                                   "exceeds the tolerance (0 when the resumed run changes nothing, with "
+                                   "deterministic=true; else 1e-6 relative when policy.mixed_precision keeps every "
+                                   "dtype fp32, 5e-4 otherwise, custom _target_ policies included).")
     r.add_argument("--nproc", type=int, default=2, help="ranks of the uninterrupted and first run (default 2)")
     r.add_argument("--resume-nproc", type=_world_sizes, default=None, metavar="M[,M...]",
                    help="ranks of the resumed run (default: --nproc); several, e.g. 2,3, resume copies of the same "
@@ -73,11 +74,13 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--steps", type=int, default=12, help="steps K of each run (default 12)")
     r.add_argument("--save-at", type=int, default=6, help="step S of the save and interruption (default 6)")
     r.add_argument("--work-dir", default=None,
-                   help="where the three runs go; must not hold an earlier check's runs (default: a new temporary directory)")
+                   help="where the three runs go; must not hold an earlier check's runs (default: a new temporary "
+                        "directory)")
     r.add_argument("--config-dir", action="append", default=[], metavar="DIR")
     r.add_argument("overrides", nargs="*", help="Hydra overrides of your config")
     c = sub.add_parser("config", help="show the resolved config or document every option")
-    c.add_argument("action", choices=["show", "docs"], help="show: print the resolved config; docs: every key, type, default and meaning")
+    c.add_argument("action", choices=["show", "docs"],
+                   help="show: print the resolved config; docs: every key, type, default and meaning")
     c.add_argument("--config-dir", action="append", default=[], metavar="DIR")
     c.add_argument("--markdown", action="store_true", help="docs: print a markdown table (what the README holds)")
     c.add_argument("overrides", nargs="*", help="Hydra overrides (for show)")

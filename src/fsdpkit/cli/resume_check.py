@@ -65,7 +65,8 @@ def tolerance(overrides: list[str], *, same_world_size: bool, config_dirs: list[
     cfg = compose_config(overrides, config_dirs=config_dirs)
     if same_world_size and cfg.deterministic:
         return 0.0
-    return ELASTIC_RTOL_FP32 if is_fp32(mixed_precision_policy(cfg.policy.mixed_precision)) else ELASTIC_RTOL_LOW_PRECISION
+    fp32 = is_fp32(mixed_precision_policy(cfg.policy.mixed_precision))
+    return ELASTIC_RTOL_FP32 if fp32 else ELASTIC_RTOL_LOW_PRECISION
 
 
 def resume_problems(events: list[dict[str, Any]], *, step: int, saved_world_size: int, ckpt_root: Path) -> list[str]:
@@ -74,8 +75,9 @@ def resume_problems(events: list[dict[str, Any]], *, step: int, saved_world_size
     they do)."""
     resumes = [e for e in events if e.get("event") == RESUME_EVENT]
     if not resumes:
-        return [f"the resumed run recorded no `{RESUME_EVENT}` event: it started fresh instead of loading the checkpoint "
-                f"of step {step} (were the checkpoints under {ckpt_root} deleted, or is checkpoint.resume overridden?)"]
+        return [f"the resumed run recorded no `{RESUME_EVENT}` event: it started fresh instead of loading the "
+                f"checkpoint of step {step} (were the checkpoints under {ckpt_root} deleted, or is checkpoint.resume "
+                "overridden?)"]
     if len(resumes) > 1:
         return [f"the resumed run directory records {len(resumes)} resumes (steps {[e.get('step') for e in resumes]}); "
                 "expected exactly one: use a new --work-dir"]
@@ -129,7 +131,8 @@ def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int | list[i
     resumed = {m: work / ("resumed" if len(sizes) == 1 else f"resumed-{m}") for m in sizes}
     for run in (full, *resumed.values()):
         if run.exists():  # its metrics.jsonl and checkpoints would mix with this check's
-            raise ValueError(f"--work-dir {work} already holds {run.name}/ from an earlier check; give a new --work-dir")
+            raise ValueError(f"--work-dir {work} already holds {run.name}/ from an earlier check; give a new "
+                             "--work-dir")
     common = [*overrides, f"train.max_steps={steps}", "train.eval_every=0", "train.progress=false",
               "checkpoint.save_at_end=false"]
     dirs = {m: compose_config([*common, f"run_dir={run}"], config_dirs=list(config_dirs)).checkpoint.dir
@@ -183,7 +186,8 @@ def _check(full: Path, resumed: Path, ckpt_root: Path, *, nproc: int, steps: int
         print("resume-check: FAIL: no proof of a resume from step "
               f"{save_at}:\n" + "\n".join(f"  {p}" for p in problems))
     print(f"resume-check: {'PASS' if ok else 'FAIL'}: worst relative difference {worst:.3e}, tolerance {rtol:.0e}"
-          + ("" if worst <= rtol else " (state was lost or mismapped on resume: scheduler, data cursor, optimizer or RNG)"),
+          + ("" if worst <= rtol else " (state was lost or mismapped on resume: scheduler, data cursor, optimizer or "
+                                      "RNG)"),
           flush=True)
     return ok
 
@@ -191,7 +195,8 @@ def _check(full: Path, resumed: Path, ckpt_root: Path, *, nproc: int, steps: int
 def _print_table(a: dict[int, dict], b: dict[int, dict], steps: range, *, rtol: float) -> float:
     """Prints the per-step comparison; returns the worst relative difference."""
     worst = 0.0
-    print(f"{'step':>5} {'loss (uninterrupted)':>22} {'loss (resumed)':>22} {'rel diff':>10} {'grad_norm rel diff':>19}")
+    print(f"{'step':>5} {'loss (uninterrupted)':>22} {'loss (resumed)':>22} {'rel diff':>10} "
+          f"{'grad_norm rel diff':>19}")
     for step in steps:
         dl = abs(b[step]["loss"] - a[step]["loss"]) / abs(a[step]["loss"])
         dg = abs(b[step]["grad_norm"] - a[step]["grad_norm"]) / max(abs(a[step]["grad_norm"]), 1e-30)

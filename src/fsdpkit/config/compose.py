@@ -77,7 +77,8 @@ def compose_raw(overrides: Sequence[str] = (), *, config_dirs: Sequence[str] = (
     except (HydraException, OmegaConfBaseException) as e:
         unknown = re.match(r"Could not override '([^']+)'", str(e))
         if unknown:
-            raise ValueError(f"unknown config key '{unknown.group(1)}'; see `fsdpkit config docs` for every key") from None
+            raise ValueError(f"unknown config key '{unknown.group(1)}'; see `fsdpkit config docs` for every "
+                             "key") from None
         raise ValueError(f"invalid configuration override: {e}") from None
 
 
@@ -173,7 +174,8 @@ def validate(cfg: Config) -> None:
     for key in ("auto_wrap_policy", "activation_checkpointing_policy"):
         for path in getattr(p, key):
             if path != "auto" and "." not in path:
-                raise ValueError(f"config key 'policy.{key}' entry {path!r} is not `auto` or a dotted class path (module.Class)")
+                raise ValueError(f"config key 'policy.{key}' entry {path!r} is not `auto` or a dotted class path "
+                                 "(module.Class)")
     _one_of("model.kind", m.kind, ("llama", "hf"))
     if m.kind == "llama":
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -192,14 +194,16 @@ def validate(cfg: Config) -> None:
                              "folder's model with model=hf model.path=DIR")
         if m.init_from:
             raise ValueError(f"model.init_from={m.init_from} and model.path={m.path} both name weights to start from; "
-                             "model.path loads its own (model.pretrained=false for a random init): drop model.init_from")
+                             "model.path loads its own (model.pretrained=false for a random init): drop "
+                             "model.init_from")
     _one_of("model.attn_implementation", m.attn_implementation or "eager",
             ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "paged_attention"))
     _one_of("model.peft.method", m.peft.method, ("none", "lora"))
     _refuse_unused_peft(m.peft)
     if m.peft.method != "none":
         if m.kind != "hf":
-            raise ValueError("model.peft.method=lora needs a transformers model (model.kind=hf, e.g. model=hf_llama_tiny)")
+            raise ValueError("model.peft.method=lora needs a transformers model (model.kind=hf, e.g. "
+                             "model=hf_llama_tiny)")
         _positive("model.peft.r", m.peft.r)
         if not m.peft.target_modules:
             raise ValueError("config key 'model.peft.target_modules' is empty; name the layers, e.g. [q_proj,v_proj]")
@@ -240,13 +244,15 @@ def validate(cfg: Config) -> None:
     validate_checkpoint(cfg.checkpoint, state_dict_type=s.state_dict_type)
     _positive("diagnostics.memory_steps", cfg.diagnostics.memory_steps, allow_zero=True)
     if cfg.diagnostics.skew_warn_ratio < 1:
-        raise ValueError(f"config key 'diagnostics.skew_warn_ratio' is {cfg.diagnostics.skew_warn_ratio}; it must be >= 1")
+        raise ValueError(f"config key 'diagnostics.skew_warn_ratio' is {cfg.diagnostics.skew_warn_ratio}; it must be "
+                         ">= 1")
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("config key 'logging.tensorboard' is true but tensorboard is not installed: "
                          "`pip install tensorboard`, or set logging.tensorboard=false")
     refuse_url(cfg.run_dir, setting="run_dir")
     check_url(cfg.export.dir, setting="export.dir")  # a URL: exported locally, then uploaded
-    local_dirs = {"run_dir": (cfg.run_dir, True)} | ({} if is_url(cfg.export.dir) else {"export.dir": (cfg.export.dir, False)})
+    local_dirs = {"run_dir": (cfg.run_dir,
+                              True)} | ({} if is_url(cfg.export.dir) else {"export.dir": (cfg.export.dir, False)})
     _refuse_overlap("checkpoint.local_dir", cfg.checkpoint.local_dir, local_dirs)
     check_url(m.init_from.removeprefix("hf:"), setting="model.init_from")  # a folder, or a URL read by ranged GETs
     if cfg.export.on_finish and is_url(cfg.checkpoint.dir):
@@ -329,7 +335,8 @@ def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded
     _one_of("checkpoint.async_staging", ck.async_staging, ("blocking", "background"))
     if ck.async_staging == "background" and not ck.async_save:
         raise ValueError("checkpoint.async_staging=background stages an async save in the background, and "
-                         "checkpoint.async_save is off; set checkpoint.async_save=true, or leave async_staging=blocking")
+                         "checkpoint.async_save is off; set checkpoint.async_save=true, or leave "
+                         "async_staging=blocking")
     for setting, value in (("checkpoint.dir", ck.dir), ("checkpoint.resume", ck.resume)):
         check_url(value, setting=setting)
     if is_url(ck.dir) and state_dict_type != "sharded":
@@ -338,8 +345,8 @@ def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded
     if ck.local_dir:
         refuse_url(ck.local_dir, setting="checkpoint.local_dir")
         if not is_url(ck.dir):
-            raise ValueError(f"checkpoint.local_dir={ck.local_dir} keeps a local copy of checkpoints on object storage, "
-                             f"and checkpoint.dir={ck.dir} is local already; set checkpoint.dir to a URL "
+            raise ValueError(f"checkpoint.local_dir={ck.local_dir} keeps a local copy of checkpoints on object "
+                             f"storage, and checkpoint.dir={ck.dir} is local already; set checkpoint.dir to a URL "
                              "(s3://bucket/prefix) or leave checkpoint.local_dir empty")
     if not isinstance(ck.storage_options, dict | DictConfig):
         raise ValueError(f"config key 'checkpoint.storage_options' must be a mapping, got {ck.storage_options!r}")

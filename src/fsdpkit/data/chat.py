@@ -30,7 +30,8 @@ def assistant_spans(tok: Any, messages: list[dict[str, Any]]) -> tuple[str, list
             differently from the start of the whole (the spans could not be located).
     """
     if not isinstance(messages, list) or not messages:
-        raise ValueError(f"a conversation must be a non-empty list of {{'role': ..., 'content': ...}}, got {messages!r:.200}")
+        raise ValueError(f"a conversation must be a non-empty list of {{'role': ..., 'content': ...}}, got "
+                         f"{messages!r:.200}")
     for m in messages:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"a chat message needs 'role' and 'content', got {m!r:.200}")
@@ -44,7 +45,8 @@ def assistant_spans(tok: Any, messages: list[dict[str, Any]]) -> tuple[str, list
         if not full.startswith(through) or not through.startswith(before):
             raise ValueError("the tokenizer's chat template renders the first turns of a conversation differently from "
                              "the start of the whole conversation, so the assistant's tokens cannot be located; use a "
-                             "template whose output for a prefix of the messages is a prefix of its output for all of them")
+                             "template whose output for a prefix of the messages is a prefix of its output for all of "
+                             "them")
         spans.append((len(before), len(through)))
     return full, spans
 

@@ -144,7 +144,8 @@ def build_datasets(cfg: DataConfig, *, vocab_size: int, seed: int) -> tuple[Data
         return (SyntheticCorpus(num_samples=cfg.num_samples, split=0, **common),
                 SyntheticCorpus(num_samples=n_val, split=1, **common))
     if cfg.kind == "text" and vocab_size < BYTE_VOCAB:
-        raise ValueError(f"data.kind=text uses a byte-level vocabulary of {BYTE_VOCAB}; model.vocab_size is {vocab_size}")
+        raise ValueError(f"data.kind=text uses a byte-level vocabulary of {BYTE_VOCAB}; model.vocab_size is "
+                         f"{vocab_size}")
     tokens = _open_tokens(cfg)
     total = (len(tokens) - 1) // cfg.seq_len
     n_val = max(1, round(total * cfg.val_fraction))

@@ -63,7 +63,8 @@ class PackedDocuments:
             starts = np.arange(self.count, dtype=np.int64) * seq_len
             self._trained = csum[starts + seq_len + 1] - csum[starts + 1]
         self.report = SplitReport(documents=last_doc - first_doc, samples=self.count, truncated=0, dropped=0,
-                                  trained_tokens=int(self._trained.sum()) if self._trained is not None else self.count * seq_len)
+                                  trained_tokens=(int(self._trained.sum()) if self._trained is not None
+                                                  else self.count * seq_len))
 
     def __len__(self) -> int:
         return self.count
@@ -151,7 +152,8 @@ def _corpus(cfg: DataConfig, tok, *, patterns: list[str], setting: str, fingerpr
     files = resolve_files(patterns, setting=setting)
     spec = TokenizeSpec(files=tuple(files), builder=pick_builder(files, cfg.format), text_field=cfg.text_field,
                         messages_field=cfg.messages_field)
-    return tokenized_corpus(spec, tok, tokenizer_fingerprint=fingerprint, cache_dir=cfg.cache_dir, num_proc=cfg.num_proc)
+    return tokenized_corpus(spec, tok, tokenizer_fingerprint=fingerprint, cache_dir=cfg.cache_dir,
+                            num_proc=cfg.num_proc)
 
 
 def build_hf_datasets(cfg: DataConfig, *, vocab_size: int):
@@ -184,8 +186,8 @@ def build_hf_datasets(cfg: DataConfig, *, vocab_size: int):
         r = part.report
         if r.samples < 1:
             raise ValueError(f"the {name} split has no sample of data.seq_len={cfg.seq_len} + 1 tokens "
-                             f"({r.documents} documents, {r.dropped} dropped as too long); add data, lower data.seq_len "
-                             "or change data.val_fraction / data.overlong")
+                             f"({r.documents} documents, {r.dropped} dropped as too long); add data, lower "
+                             "data.seq_len or change data.val_fraction / data.overlong")
         overlong = ("packed: documents run across windows, none cut" if cfg.packing else
                     f"longer than {cfg.seq_len + 1} tokens: {r.truncated} truncated, {r.dropped} dropped")
         log.info("data %s: %d documents -> %d samples, %d trained tokens; %s", name, r.documents, r.samples,

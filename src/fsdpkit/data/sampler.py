@@ -68,13 +68,14 @@ class GlobalSampler:
         if state.get("fingerprint", "") != self.fingerprint:
             raise ValueError(
                 f"data cursor was saved for data {state.get('fingerprint') or '(built-in)'} but this run reads "
-                f"{self.fingerprint or '(built-in)'} (different files, tokenizer, seq_len, packing or split); the sample "
-                "order would differ. Restore the data settings or start fresh (checkpoint.resume=none)"
+                f"{self.fingerprint or '(built-in)'} (different files, tokenizer, seq_len, packing or split); the "
+                "sample order would differ. Restore the data settings or start fresh (checkpoint.resume=none)"
             )
         self.epoch, self.position, self.samples_seen = state["epoch"], state["position"], state["samples_seen"]
 
 
-def rank_micro_batches(global_batch: list[int], *, rank: int, world_size: int, micro_batch_size: int) -> list[list[int]]:
+def rank_micro_batches(global_batch: list[int], *, rank: int, world_size: int,
+                       micro_batch_size: int) -> list[list[int]]:
     """This rank's contiguous slice of the global batch, split into micro-batches.
 
     Raises:

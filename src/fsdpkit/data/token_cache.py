@@ -141,7 +141,8 @@ def _load_rows(spec: TokenizeSpec, *, hf_cache: Path) -> Any:
     try:
         import datasets
     except ImportError:
-        raise ImportError("data.kind=hf needs the `datasets` library: pip install 'fsdpkit[hf]' (with -c constraints.txt)") from None
+        raise ImportError("data.kind=hf needs the `datasets` library: pip install 'fsdpkit[hf]' (with -c "
+                          "constraints.txt)") from None
     ds = datasets.load_dataset(spec.builder, data_files=list(spec.files), split="train", cache_dir=str(hf_cache))
     field = spec.messages_field or spec.text_field
     if field not in ds.column_names:
@@ -180,7 +181,8 @@ def _write_column(column: Any, path: Path, dtype: type, *, append: int | None = 
 def _build(spec: TokenizeSpec, tok: Any, *, final: Path, num_proc: int) -> None:
     t0 = time.perf_counter()
     rows = _load_rows(spec, hf_cache=final.parent / "hf-datasets")
-    mapped = rows.map(_tokenize_fn(tok, spec), batched=True, batch_size=1000, num_proc=num_proc if num_proc > 1 else None,
+    mapped = rows.map(_tokenize_fn(tok, spec), batched=True, batch_size=1000,
+                      num_proc=num_proc if num_proc > 1 else None,
                       remove_columns=rows.column_names, desc="fsdpkit: tokenizing", keep_in_memory=True)
     tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

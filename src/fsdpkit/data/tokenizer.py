@@ -24,7 +24,8 @@ def load_tokenizer(spec: str) -> Any:
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise ImportError("data.tokenizer needs transformers: pip install 'fsdpkit[hf]' (with -c constraints.txt)") from None
+        raise ImportError("data.tokenizer needs transformers: pip install 'fsdpkit[hf]' (with -c "
+                          "constraints.txt)") from None
     path = Path(spec).expanduser()
     local = path.is_dir()
     if not local and (spec.startswith((".", "/", "~")) or path.suffix):
@@ -35,7 +36,8 @@ def load_tokenizer(spec: str) -> Any:
         raise ValueError(f"data.tokenizer={spec!r} is a slow (Python) tokenizer; fsdpkit needs a fast one "
                          "(tokenizer.json), e.g. save it again with transformers' PreTrainedTokenizerFast")
     if tok.eos_token_id is None:
-        raise ValueError(f"data.tokenizer={spec!r} has no eos_token; set one (tokenizer.eos_token = ...) and save it again")
+        raise ValueError(f"data.tokenizer={spec!r} has no eos_token; set one (tokenizer.eos_token = ...) and save it "
+                         "again")
     return tok
 
 

@@ -58,7 +58,8 @@ class FSDPContractError(ValueError):
         super().__init__(head + ":\n  " + "\n  ".join(lines))
 
 
-def report_findings(findings: Iterable[Finding], *, strict: bool = True, logger: logging.Logger | None = None) -> list[Finding]:
+def report_findings(findings: Iterable[Finding], *, strict: bool = True,
+                    logger: logging.Logger | None = None) -> list[Finding]:
     """Log warnings (rank 0) and raise on errors (every rank) unless strict=False, in which case
     errors are logged (rank 0) too. Returns the findings.
 

@@ -100,9 +100,10 @@ class ForwardWatch:
             out.append(Finding(
                 ERROR, FP32_IN_FORWARD,
                 f"mixed precision asks for {want} parameters in forward, but {len(wrong)} FSDP units computed with "
-                f"other dtypes ({'; '.join(examples[:3])}{'; ...' if len(examples) > 3 else ''}): their memory and compute are those of full precision; "
-                f"give every fully_shard call mp_policy=MixedPrecisionPolicy(param_dtype=torch.{want}, ...) and do "
-                "not cast parameters (model.float(), .to(dtype)) after sharding"))
+                f"other dtypes ({'; '.join(examples[:3])}{'; ...' if len(examples) > 3 else ''}): their memory and "
+                "compute are those of full precision; give every fully_shard call "
+                f"mp_policy=MixedPrecisionPolicy(param_dtype=torch.{want}, ...) and do not cast parameters "
+                "(model.float(), .to(dtype)) after sharding"))
         sharded = [e for w in called for e in w.still_sharded]
         if sharded:
             out.append(Finding(

@@ -138,7 +138,8 @@ def unit_settings(unit: Unit, *, is_root: bool) -> UnitSettings:
         mesh_info = getattr(group, "mesh_info", None)
         if post is None:
             reshard = False
-        elif mesh_info is not None and getattr(post, "shard_mesh_size", None) != getattr(mesh_info, "shard_mesh_size", None):
+        elif mesh_info is not None and getattr(post, "shard_mesh_size", None) != getattr(mesh_info, "shard_mesh_size",
+                                                                                         None):
             reshard = int(post.shard_mesh_size)  # resharded to a smaller group after forward
         else:
             reshard = True

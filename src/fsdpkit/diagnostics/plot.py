@@ -66,9 +66,11 @@ def plot_runs(run_dirs: list[str | Path], *, out: str | Path, labels: list[str] 
         ax.grid(True, alpha=0.3)
     for ax in axes[2:]:
         ax.set_xlabel("step")
-    handles = [Line2D([], [], color=c, lw=2, ls=_style(i)[0], label=r.label) for i, (r, c) in enumerate(zip(runs, colors, strict=True))]
+    handles = [Line2D([], [], color=c, lw=2, ls=_style(i)[0],
+                      label=r.label) for i, (r, c) in enumerate(zip(runs, colors, strict=True))]
     if any(r.superseded for r in runs):
-        handles.append(Line2D([], [], color="0.4", lw=1, ls=":", alpha=0.6, label="steps redone after a resume (replaced)"))
+        handles.append(Line2D([], [], color="0.4", lw=1, ls=":", alpha=0.6,
+                              label="steps redone after a resume (replaced)"))
     if any(r.resumes for r in runs):
         handles.append(Line2D([], [], color="0.4", lw=1, ls="-.", label="resume"))
     if any(r.checkpoints for r in runs):
@@ -115,13 +117,15 @@ def _draw_run(axes, run: RunLog, *, color: str, index: int) -> None:
             ax.axvline(resume["step"], color=color, ls="-.", lw=1, alpha=0.8)
         marks = blended_transform_factory(ax.transData, ax.transAxes)
         for ckpt in run.checkpoints:
-            ax.plot([ckpt["step"]], [0.97 - 0.04 * index], marker="v", color=color, ms=5, transform=marks, clip_on=False)
+            ax.plot([ckpt["step"]], [0.97 - 0.04 * index], marker="v", color=color, ms=5, transform=marks,
+                    clip_on=False)
     val_x, val_y = run.series("val_loss")
     if val_x:
         axes[0].plot(val_x, val_y, color=color, marker="o", ls="none", ms=5, mfc="white", zorder=5)
     for resume in run.resumes:
         load = resume.get("load_s")
-        text = f"{run.label}: resumed at {resume['step']}" + (f" (load {load:.2f} s)" if isinstance(load, int | float) else "")
+        text = f"{run.label}: resumed at {resume['step']}" + (f" (load {load:.2f} s)" if isinstance(load, int | float)
+                                                              else "")
         axes[0].annotate(text, xy=(resume["step"], 0.02 + 0.06 * index), xycoords=("data", "axes fraction"),
                          rotation=90, fontsize="x-small", color=color, ha="right", va="bottom")
     stalls = [c for c in run.checkpoints if isinstance(c.get("stall_s"), int | float)]

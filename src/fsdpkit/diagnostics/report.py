@@ -118,10 +118,11 @@ def build_report(model: nn.Module, *, state_dict_type: str | None = None,
         findings.append(Finding(
             WARNING, PARAM_SKEW,
             f"ranks hold unequal parameter shards: rank {per_rank.index(high)} {human_bytes(high * 2**20)}, rank "
-            f"{per_rank.index(low)} {human_bytes(low * 2**20)} (ratio {report['param_skew']:.2f} > diagnostics.skew_warn_ratio "
-            f"{skew_warn_ratio:g}); FSDP2 splits dim 0 of every parameter into {shard_ranks} chunks, so dims that "
-            f"are small or not divisible by {shard_ranks} leave the last ranks with less: pad such sizes (e.g. the "
-            "vocabulary) to a multiple of the shard group size, or raise diagnostics.skew_warn_ratio"))
+            f"{per_rank.index(low)} {human_bytes(low * 2**20)} (ratio {report['param_skew']:.2f} > "
+            f"diagnostics.skew_warn_ratio {skew_warn_ratio:g}); FSDP2 splits dim 0 of every parameter into "
+            f"{shard_ranks} chunks, so dims that are small or not divisible by {shard_ranks} leave the last ranks with "
+            "less: pad such sizes (e.g. the vocabulary) to a multiple of the shard group size, or raise "
+            "diagnostics.skew_warn_ratio"))
     return report, findings
 
 
@@ -130,8 +131,10 @@ def format_report(report: dict[str, Any]) -> str:
     mesh = report["mesh"]
     mp = report["mixed_precision"]
     ra = report["reshard_after_forward"]
-    precision = ("none (fp32 everywhere)" if mp is None or mp["param_dtype"] == "unset" and mp["reduce_dtype"] == "unset"
-                 else f"params {mp['param_dtype']}, gradient reduction {mp['reduce_dtype']}, outputs {mp['output_dtype']}")
+    precision = ("none (fp32 everywhere)"
+                 if mp is None or mp["param_dtype"] == "unset" and mp["reduce_dtype"] == "unset"
+                 else f"params {mp['param_dtype']}, gradient reduction {mp['reduce_dtype']}, outputs "
+                      f"{mp['output_dtype']}")
     per_rank = report.get("local_param_mib_per_rank") or [report["local_param_mib"]]
     ac = report["checkpointed"]
     lines = [
@@ -141,8 +144,9 @@ def format_report(report: dict[str, Any]) -> str:
         f"  mixed precision: {precision}; offload: {', '.join(report['offload'] or ['none'])}; "
         f"state dict: {report['state_dict']['checkpoint'] or report['state_dict']['module']}",
         f"  units: {report['num_units']} besides the root ({', '.join(report['sample_units']) or '-'}"
-        f"{', ...' if report['num_units'] > len(report['sample_units']) else ''}); root sharded: {report['root_sharded']}; "
-        f"activation checkpointing: {len(ac)} modules{' (' + ', '.join(ac[:3]) + (', ...' if len(ac) > 3 else '') + ')' if ac else ''}",
+        f"{', ...' if report['num_units'] > len(report['sample_units']) else ''}); root sharded: "
+        f"{report['root_sharded']}; activation checkpointing: {len(ac)} "
+        f"modules{' (' + ', '.join(ac[:3]) + (', ...' if len(ac) > 3 else '') + ')' if ac else ''}",
         f"  local parameters: {', '.join(f'rank {r} {_h(m)}' for r, m in enumerate(per_rank[:8]))}"
         f"{', ...' if len(per_rank) > 8 else ''} (total {_h(report['total_param_mib'])}, "
         f"{_h(report.get('expected_local_param_mib', report['local_param_mib']))} expected per rank)",
@@ -153,7 +157,8 @@ def format_report(report: dict[str, Any]) -> str:
 def format_memory(memory: dict[str, Any]) -> str:
     peaks = memory["peak_mib"]
     worst = memory.get("max_over_ranks_mib") or {}
-    parts = [f"{p} {v:.1f}" + (f" (max over ranks {worst[p]:.1f})" if p in worst and len(memory.get("per_rank_mib", [])) > 1 else "")
+    parts = [f"{p} {v:.1f}" + (f" (max over ranks {worst[p]:.1f})" if p in worst and len(memory.get("per_rank_mib",
+                                                                                                    [])) > 1 else "")
              for p, v in peaks.items()]
     return (f"peak memory per phase over the first {memory['steps']} steps, rank 0, MiB ({memory['method']}): "
             f"{', '.join(parts)}; largest: {memory['largest_phase']} ({memory['largest_mib']:.1f} MiB)")

@@ -33,7 +33,8 @@ class RunLog:
     def series(self, key: str, *, superseded: bool = False) -> tuple[list[int], list[float]]:
         """(steps, values) of `key` where present and numeric."""
         rows = self.superseded if superseded else self.steps
-        pairs = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), int | float) and not isinstance(r.get(key), bool)]
+        pairs = [(r["step"], r[key]) for r in rows if isinstance(r.get(key),
+                                                                 int | float) and not isinstance(r.get(key), bool)]
         return [p[0] for p in pairs], [float(p[1]) for p in pairs]
 
 

@@ -142,5 +142,6 @@ def start_diagnostics(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         if path is not None:
             write_json(path, report)
     report_findings(findings, strict=strict)
-    return Diagnostics(memory=phase_memory(device, steps=memory_steps), watch=watch_forward(model, param_dtype=param_dtype),
+    return Diagnostics(memory=phase_memory(device, steps=memory_steps),
+                       watch=watch_forward(model, param_dtype=param_dtype),
                        report=report, path=path, strict=strict)

@@ -54,8 +54,8 @@ def _peft_settings(opened: OpenedCheckpoint) -> Any:
     model_cfg = ((opened.manifest or {}).get("config") or {}).get("model") or {}
     peft_cfg = model_cfg.get("peft") or {}
     if peft_cfg.get("method", "none") != "lora":
-        raise ValueError(f"{opened.path} was not trained with model.peft.method=lora (or is not an fsdpkit checkpoint); "
-                         "--adapter and --merge need LoRA weights: use a plain `fsdpkit ckpt export`")
+        raise ValueError(f"{opened.path} was not trained with model.peft.method=lora (or is not an fsdpkit "
+                         "checkpoint); --adapter and --merge need LoRA weights: use a plain `fsdpkit ckpt export`")
     return type("PeftSettings", (), dict(peft_cfg))
 
 
@@ -128,7 +128,8 @@ def export_adapter(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: st
     def fill(opened: OpenedCheckpoint, settings: Any, tmp: Path) -> dict[str, Any]:
         infos = opened.source.tensors()
         names = {n: k for n, k in _model_names(opened).items() if is_lora_name(n)}
-        tensors = [(PEFT_PREFIX + _ADAPTER_COMPONENT.sub(r".lora_\1.", n), infos[k].shape, _out_dtype(infos[k].dtype, target),
+        tensors = [(PEFT_PREFIX + _ADAPTER_COMPONENT.sub(r".lora_\1.", n), infos[k].shape,
+                    _out_dtype(infos[k].dtype, target),
                     lambda k=k: _read(opened, k)) for n, k in names.items()]
         _write(tmp, ADAPTER_FILE, tensors)
         config = lora_config(settings)

@@ -68,7 +68,8 @@ def check_no_overlap(out: Path, protected: list[tuple[str, Path, bool]]) -> None
     if found:
         relation, what, p, inside_allowed = found[0]
         fix = (f"an output that neither is nor contains {p} (a new directory inside it, beside checkpoints/, is "
-               f"fine, e.g. {p / 'export'})" if inside_allowed else f"an output that neither is, contains nor lies inside {p}")
+               f"fine, e.g. {p / 'export'})" if inside_allowed else "an output that neither is, contains nor lies "
+                                                                    f"inside {p}")
         raise ValueError(f"refusing to export to {out}: it {relation} {what} {p}; an export there could overwrite "
                          f"or delete it. Choose {fix}")
 
@@ -84,8 +85,8 @@ def not_an_export(out: Path) -> str | None:
                                                                           and EXPORT_FILES.match(e.name)))]
     if foreign:
         return (f"it holds {', '.join(foreign[:5])}{' ...' if len(foreign) > 5 else ''}, which an export does not "
-                f"write (an export writes {SINGLE_FILE} or its shards, {INDEX_FILE}, config.json, generation_config.json "
-                "and tokenizer files)")
+                f"write (an export writes {SINGLE_FILE} or its shards, {INDEX_FILE}, config.json, "
+                "generation_config.json and tokenizer files)")
     weights = [e for e in entries if e.name.endswith(".safetensors")]
     if not weights:
         return "it holds no safetensors file written by fsdpkit"

@@ -28,7 +28,8 @@ def _view(opened: OpenedCheckpoint, *, all_tensors: bool, namespace: str | None)
                          structured=opened.kind in ("fsdpkit", "dcp"))
 
 
-def _compare(a: OpenedCheckpoint, ka: str, b: OpenedCheckpoint, kb: str, info: TensorInfo, *, block_bytes: int) -> dict[str, Any]:
+def _compare(a: OpenedCheckpoint, ka: str, b: OpenedCheckpoint, kb: str, info: TensorInfo, *,
+             block_bytes: int) -> dict[str, Any]:
     """max |a-b|, ||a-b|| / ||a|| and bitwise-equal values, over row blocks."""
     max_abs, diff_sq, ref_sq, equal = 0.0, 0.0, 0.0, True
     wide = torch.complex128 if info.dtype.is_complex else torch.float64
@@ -57,7 +58,8 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, all_tensors:
     """
     block_bytes = block_bytes or tunables.current().export_block_bytes
     with open_checkpoint(a) as ca, open_checkpoint(b) as cb:
-        va, vb = _view(ca, all_tensors=all_tensors, namespace=namespace), _view(cb, all_tensors=all_tensors, namespace=namespace)
+        va, vb = _view(ca, all_tensors=all_tensors, namespace=namespace), _view(cb, all_tensors=all_tensors,
+                                                                                namespace=namespace)
         ta, tb = ca.source.tensors(), cb.source.tensors()
         shape_changed, dtype_changed, stats = [], [], {}
         for name in [n for n in va if n in vb]:
@@ -71,7 +73,8 @@ def diff_checkpoints(a: str | os.PathLike, b: str | os.PathLike, *, all_tensors:
         only_a, only_b = [n for n in va if n not in vb], [n for n in vb if n not in va]
         identical = not (only_a or only_b or shape_changed or dtype_changed) and all(s["equal"] for s in stats.values())
         return {"a": str(ca.path), "b": str(cb.path), "only_in_a": only_a, "only_in_b": only_b,
-                "shape_changed": shape_changed, "dtype_changed": dtype_changed, "tensors": stats, "identical": identical}
+                "shape_changed": shape_changed, "dtype_changed": dtype_changed, "tensors": stats,
+                "identical": identical}
 
 
 def render_text(report: dict[str, Any], *, limit: int = 30) -> str:

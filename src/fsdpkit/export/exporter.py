@@ -181,7 +181,8 @@ def export_checkpoint(
             if fmt == "hf":
                 if len(groups) > 1:
                     weight_map = {name: file for group, file in zip(groups, files, strict=True) for name in group}
-                    write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+                    write_json(tmp / INDEX_FILE,
+                               {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
                 folder_files = write_folder_files(tmp, opened, target=target, out_dtypes=out_dtypes,
                                                   model_config=model_config, out=out, write_config=write_config)
                 fsync_dir(tmp)
@@ -231,7 +232,8 @@ def _check_integrity(opened: OpenedCheckpoint, *, verify: bool) -> None:
     if not problems and opened.kind in ("fsdpkit", "dcp"):  # DcpSource and DcpLoadSource
         problems = extent_problems(opened.path, opened.source.metadata)
     if problems:
-        raise CheckpointCorruptError(f"{opened.path} failed verification; nothing was exported:\n  " + "\n  ".join(problems)
+        raise CheckpointCorruptError(f"{opened.path} failed verification; nothing was exported:\n  "
+                                     + "\n  ".join(problems)
                                      + f"\n(`fsdpkit ckpt verify {opened.path}` checks it in full)")
 
 
@@ -248,7 +250,8 @@ def _plan_files(sizes: list[tuple[str, int]], *, out: Path, fmt: str, total: int
 
 def _check_destination(out: Path, *, fmt: str, overwrite: bool, protected: list[tuple[str, Path, bool]]) -> None:
     if fmt == "single" and out.is_dir():
-        raise ValueError(f"{out} is a directory; --format single writes one file: give a file path such as {out / SINGLE_FILE}")
+        raise ValueError(f"{out} is a directory; --format single writes one file: give a file path such as "
+                         f"{out / SINGLE_FILE}")
     if fmt == "hf" and out.is_file():
         raise ValueError(f"{out} is a file; --format hf writes a directory")
     check_no_overlap(out, protected)
@@ -422,12 +425,12 @@ def _check_namespace(namespace: str | None, *, fmt: str, out: Path) -> str:
     if namespace is None or not is_non_model_namespace(namespace):
         return "model"
     if fmt == "hf":
-        raise ValueError(f"--namespace {namespace} selects optimizer (or other non-model) state, but --format hf writes "
-                         "model.safetensors, which transformers would load as the model's weights; write it to a file "
-                         f"of its own: --format single {out.with_suffix('')}-{namespace}.safetensors")
+        raise ValueError(f"--namespace {namespace} selects optimizer (or other non-model) state, but --format hf "
+                         "writes model.safetensors, which transformers would load as the model's weights; write it to "
+                         f"a file of its own: --format single {out.with_suffix('')}-{namespace}.safetensors")
     if out.name.startswith("model"):
-        raise ValueError(f"--namespace {namespace}: {out.name} would pass for model weights; name the file after what it "
-                         f"holds, e.g. {out.with_name(f'{namespace}.safetensors')}")
+        raise ValueError(f"--namespace {namespace}: {out.name} would pass for model weights; name the file after what "
+                         f"it holds, e.g. {out.with_name(f'{namespace}.safetensors')}")
     return "optimizer" if namespace.startswith("optim") else "model"
 
 
@@ -455,7 +458,8 @@ def _dtype_note(opened: OpenedCheckpoint, target: torch.dtype | None, stored: se
     why = ""
     if opened.kind.startswith("fsdpkit"):
         precision = (((opened.manifest or {}).get("config") or {}).get("policy") or {}).get("mixed_precision")
-        why = " (the run's master weights" + (f"; policy.mixed_precision={precision!r} computed in lower precision from them"
+        why = " (the run's master weights" + (f"; policy.mixed_precision={precision!r} computed in lower precision "
+                                              "from them"
                                                if precision not in (None, "fp32") else "") + ")"
     if target is None or [dtype_name(target)] == floating:
         hint = "; pass --dtype bf16 to halve the export" if floating == ["float32"] else ""

@@ -32,7 +32,8 @@ def is_tied(model_cfg: dict[str, Any] | None) -> bool:
     return bool(model_cfg.get("tie_word_embeddings", False))
 
 
-def hf_configs(model_cfg: dict[str, Any], *, dtype: torch.dtype) -> tuple[dict[str, Any] | None, dict[str, Any] | None, str]:
+def hf_configs(model_cfg: dict[str, Any], *, dtype: torch.dtype) -> tuple[dict[str, Any] | None, dict[str, Any] | None,
+                                                                          str]:
     """(config.json, generation_config.json, note) for the manifest's `config.model` section.
 
     Returns (None, None, why) when no config can be written (an hf model without transformers).
@@ -53,7 +54,8 @@ def hf_configs(model_cfg: dict[str, Any], *, dtype: torch.dtype) -> tuple[dict[s
     as_dict = config.to_dict()
     as_dict["dtype" if "dtype" in as_dict else "torch_dtype"] = dtype_name(dtype)
     generation = transformers.GenerationConfig.from_model_config(config).to_dict()
-    return as_dict, generation, f"config.json written by transformers {transformers.__version__} for {config.architectures}"
+    source = f"config.json written by transformers {transformers.__version__} for {config.architectures}"
+    return as_dict, generation, source
 
 
 def transformers_config(model_cfg: dict[str, Any]) -> Any:

@@ -143,7 +143,8 @@ def _write_tokenizer(folder: Path, run: dict[str, Any], *, out: Path, found: Fol
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(Path(spec).expanduser()) if local else spec, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(Path(spec).expanduser()) if local else spec,
+                                                  local_files_only=True)
         tokenizer.save_pretrained(str(staging))
     except Exception as e:  # noqa: BLE001 - any failure to load it: the export stands, the report says why
         shutil.rmtree(staging, ignore_errors=True)

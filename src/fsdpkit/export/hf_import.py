@@ -251,7 +251,8 @@ def load_hf_weights(model: nn.Module, hf_dir: str | os.PathLike, *,
     reset_nonpersistent_buffers(model, keep_persistent=True)  # the persistent ones were just loaded
     return {"loaded": len(plan) + len(converted), "converted": {n: list(g.sources) for n, g in converted.items()},
             "grown": grown, "ignored": ignored,
-            "files": sorted({str(index[s][0]) for s in [*plan.values(), *(k for g in groups.values() for k in g.sources)]}),
+            "files": sorted({str(index[s][0]) for s in [*plan.values(),
+                                                        *(k for g in groups.values() for k in g.sources)]}),
             "conversions": dict(conversions), "bytes_read": bytes_read, "seconds": time.perf_counter() - t0}
 
 

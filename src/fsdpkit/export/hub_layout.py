@@ -89,7 +89,8 @@ def plan_hub_layout(model: Any, tensors: Mapping[str, TensorInfo]) -> HubLayout:
     if conversions is None:  # as revert_weight_conversion does for a model not built by from_pretrained
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+        conversions = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+                       if not isinstance(c, PrefixChange)]
     reverse = [c.reverse_transform() for c in conversions[::-1]]
     renamings = [r for r in reverse if isinstance(r, WeightRenaming)]
     converters = [r for r in reverse if isinstance(r, WeightConverter)]
@@ -123,7 +124,8 @@ def _revert_on_meta(revert: Callable[..., dict[str, torch.Tensor]], model: Any,
                          "layouts the checkpoint holds, those of model.state_dict()") from None
 
 
-def _check_against_transformers(layout: HubLayout, whole: dict[str, torch.Tensor], tensors: Mapping[str, TensorInfo]) -> None:
+def _check_against_transformers(layout: HubLayout, whole: dict[str, torch.Tensor],
+                                tensors: Mapping[str, TensorInfo]) -> None:
     planned = {n: tensors[m].shape for n, m in layout.renamed.items()}
     for group in layout.groups:
         planned.update({n: info.shape for n, info in group.outputs.items()})
@@ -141,7 +143,8 @@ def _describe(layout: HubLayout, model_class: str) -> str:
         return ""
     parts = []
     if renamed:
-        parts.append(f"renamed {len(renamed)} tensors (e.g. " + ", ".join(f"{m} -> {n}" for m, n in renamed[:_SHOWN]) + ")")
+        examples = ", ".join(f"{m} -> {n}" for m, n in renamed[:_SHOWN])
+        parts.append(f"renamed {len(renamed)} tensors (e.g. " + examples + ")")
     if layout.groups:
         inputs = sum(len(g.inputs) for g in layout.groups)
         outputs = sum(len(g.outputs) for g in layout.groups)

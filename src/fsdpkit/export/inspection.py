@@ -46,7 +46,8 @@ def describe_chunks(shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], 
         rows = [s[0] for _, s in sorted(nonempty)]
         text = f"{len(rows)} x {rows[0]}" if len(set(rows)) == 1 else "+".join(map(str, rows))
         return f"dim 0: {text} rows"
-    return f"{len(nonempty)} blocks of " + ", ".join("x".join(map(str, s)) for _, s in nonempty[:4]) + (" ..." if len(nonempty) > 4 else "")
+    shapes = ", ".join("x".join(map(str, s)) for _, s in nonempty[:4])
+    return f"{len(nonempty)} blocks of " + shapes + (" ..." if len(nonempty) > 4 else "")
 
 
 def _config_summary(config: dict[str, Any]) -> dict[str, Any]:
@@ -64,14 +65,17 @@ def _config_summary(config: dict[str, Any]) -> dict[str, Any]:
 def _checksum_status(opened: OpenedCheckpoint) -> dict[str, Any]:
     manifest = opened.manifest
     if manifest is None:
-        return {"recorded": False, "text": f"none recorded ({opened.kind} checkpoint): `fsdpkit ckpt verify` checks its structure only"}
+        return {"recorded": False, "text": f"none recorded ({opened.kind} checkpoint): `fsdpkit ckpt verify` checks "
+                                           "its structure only"}
     problems = check_files_present(opened.path, manifest)
     files, tensors = len(manifest.get("files", {})), len(manifest.get("tensors", {}))
     algorithm = manifest.get("tensor_hash", "linear")
     text = (f"recorded for {files} files ({HASH_NAME}) and {tensors} tensors ({algorithm}); "
-            + ("every file is present with its recorded size (not recomputed: run `fsdpkit ckpt verify`)" if not problems
+            + ("every file is present with its recorded size (not recomputed: run `fsdpkit ckpt "
+               "verify`)" if not problems
                else f"{len(problems)} problem(s): " + "; ".join(problems)))
-    return {"recorded": True, "files": files, "tensors": tensors, "tensor_hash": algorithm, "problems": problems, "text": text}
+    return {"recorded": True, "files": files, "tensors": tensors, "tensor_hash": algorithm, "problems": problems,
+            "text": text}
 
 
 def _dcp_tables(source: DcpSource) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, int]]:
@@ -91,7 +95,8 @@ def _dcp_tables(source: DcpSource) -> tuple[list[dict[str, Any]], list[dict[str,
             numel = 1
             for s in shape:
                 numel *= s
-            tensors.append({"key": key, "group": group, "shape": list(shape), "dtype": dtype_name(item.properties.dtype),
+            tensors.append({"key": key, "group": group, "shape": list(shape),
+                            "dtype": dtype_name(item.properties.dtype),
                             "numel": numel, "bytes": numel * item.properties.dtype.itemsize,
                             "sharding": describe_chunks(shape, chunks), "files": sorted(files_of[key])})
         elif isinstance(item, BytesStorageMetadata):
@@ -184,7 +189,8 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
 
 def render_text(report: dict[str, Any], *, all_tensors: bool = False) -> str:
     """The human-readable form of `inspect_checkpoint`'s report."""
-    lines = [*report.get("notes", []), f"checkpoint  {report['path']}", f"kind        {report['kind']}" + ("" if report["committed"] or report["kind"] != "dcp"
+    lines = [*report.get("notes", []), f"checkpoint  {report['path']}",
+             f"kind        {report['kind']}" + ("" if report["committed"] or report["kind"] != "dcp"
                                                                               else " (no fsdpkit manifest)")]
     for label, key in (("step", "step"), ("committed", "committed_at"), ("world size", "world_size"),
                        ("state dict", "state_dict_type"), ("format", "format_version"), ("dcp version", "dcp_version")):
@@ -212,7 +218,8 @@ def render_text(report: dict[str, Any], *, all_tensors: bool = False) -> str:
         if opt:
             groups = opt.get("param_groups") or []
             lines.append(f"  {opt.get('class')} step {opt.get('step')}, {len(groups)} param group(s): "
-                         + "; ".join(f"lr={g.get('lr')} weight_decay={g.get('weight_decay')} params={g.get('num_params')}" for g in groups))
+                         + "; ".join(f"lr={g.get('lr')} weight_decay={g.get('weight_decay')} "
+                                     f"params={g.get('num_params')}" for g in groups))
         for name, st in report["optimizer_states"].items():
             lines.append(f"  {name:<12}{st['tensors']} tensors, {_mib(st['bytes'])}, {'/'.join(st['dtypes'])}")
     lines.append("contents")
@@ -229,7 +236,8 @@ def render_text(report: dict[str, Any], *, all_tensors: bool = False) -> str:
                      else f"tensors ({len(shown)})")
         lines.append(f"  {'key':<{width}}  {'shape':<16} {'dtype':<9} {'bytes':>12}  sharding")
         for t in shown:
-            lines.append(f"  {t['key']:<{width}}  {str(t['shape']):<16} {t['dtype']:<9} {t['bytes']:>12,}  {t['sharding']}")
+            lines.append(f"  {t['key']:<{width}}  {str(t['shape']):<16} {t['dtype']:<9} {t['bytes']:>12,}  "
+                         f"{t['sharding']}")
     return "\n".join(lines)
 
 

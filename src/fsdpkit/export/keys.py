@@ -3,8 +3,9 @@
 DCP flattens a nested state dict into dotted keys and records each key's nested path in its
 metadata (`planner_data`): fsdpkit, Accelerate and Lightning Fabric save `{"model": ..., "optim"...}`
 (path `('model', 'lm_head.weight')`), Lightning's Trainer `{"state_dict": ..., "optimizer_0": ...}`,
-torchtitan saves the model's keys at the top level (path `('lm_head.weight',)`). The path tells the two apart even when a model FQN itself starts
-with `model.`, which a prefix test could not. Names are then cleaned of wrapper components.
+torchtitan saves the model's keys at the top level (path `('lm_head.weight',)`). The path tells the two apart
+even when a model FQN itself starts with `model.`, which a prefix test could not. Names are then cleaned of
+wrapper components.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def split_namespace(key: str, key_paths: dict[str, tuple[Any, ...]] | None) -> t
 
 
 def model_weights(keys: list[str], *, key_paths: dict[str, tuple[Any, ...]] | None, namespace: str | None = None,
-                  structured: bool = True, strip_prefixes: tuple[str, ...] = (), add_prefix: str = "") -> dict[str, str]:
+                  structured: bool = True, strip_prefixes: tuple[str, ...] = (),
+                  add_prefix: str = "") -> dict[str, str]:
     """Output name -> source key for every model weight, in source order.
 
     Args:
@@ -83,7 +85,8 @@ def model_weights(keys: list[str], *, key_paths: dict[str, tuple[Any, ...]] | No
             else:
                 raise ValueError(
                     f"cannot tell which tensors are the model's: the checkpoint's top-level entries are {tops}; "
-                    "pass --namespace NAME (the entry holding the model) or --namespace '' (model keys at the top level)"
+                    "pass --namespace NAME (the entry holding the model) or --namespace '' (model keys at the top "
+                    "level)"
                 )
         if namespace:
             selected = {k: rest for k, (top, rest) in split.items() if top == namespace}

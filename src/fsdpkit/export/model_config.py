@@ -37,7 +37,8 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        return self.model_class or ", ".join(self.config.get("architectures") or []) or self.config.get("model_type", "?")
+        return self.model_class or ", ".join(self.config.get("architectures") or []) or self.config.get("model_type",
+                                                                                                        "?")
 
 
 # transformers writes the floats JSON cannot hold as tagged objects (PreTrainedConfig's
@@ -84,7 +85,8 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
                                 "folder that holds one")
     config = read_json_object(file, where=f"--config {file}")
     generation_file = file.parent / GENERATION_FILE
-    generation = read_json_object(generation_file, where=f"--config {generation_file}") if generation_file.is_file() else None
+    generation = read_json_object(generation_file,
+                                  where=f"--config {generation_file}") if generation_file.is_file() else None
     found = ModelConfig(path=file, config=config, generation=generation)
     _describe_model(found)
     return found
@@ -100,14 +102,15 @@ def _describe_model(found: ModelConfig) -> None:
     try:
         config = transformers.AutoConfig.from_pretrained(str(found.path.parent))
     except Exception as e:  # noqa: BLE001 - any failure: a config transformers does not know
-        raise ValueError(f"--config {found.path}: transformers {transformers.__version__} cannot read it ({e})") from None
+        raise ValueError(f"--config {found.path}: transformers {transformers.__version__} cannot read it "
+                         f"({e})") from None
     archs = config.architectures or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:  # a config saved on its own has no `architectures`: the causal LM of its model_type
         cls = transformers.AutoModelForCausalLM._model_mapping.get(type(config), None)
     if cls is None:
-        found.note = (f"transformers {transformers.__version__} knows no model class for {found.path} (no `architectures`, "
-                      "no causal LM for its model_type): names are not checked against the config")
+        found.note = (f"transformers {transformers.__version__} knows no model class for {found.path} (no "
+                      "`architectures`, no causal LM for its model_type): names are not checked against the config")
         return
     with torch.device("meta"):
         model = cls._from_config(config)

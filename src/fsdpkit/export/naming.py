@@ -77,7 +77,8 @@ def _wrapper_note(keys: list[str], opened: OpenedCheckpoint) -> str:
             found[part] = found.get(part, 0) + 1
     if not found:
         return ""
-    return "removed wrapper components from the names: " + ", ".join(f"{p}. ({n} names)" for p, n in sorted(found.items()))
+    return "removed wrapper components from the names: " + ", ".join(f"{p}. ({n} "
+                                                                     "names)" for p, n in sorted(found.items()))
 
 
 def _check_against_config(names: dict[str, str], opened: OpenedCheckpoint, cfg: ModelConfig) -> None:

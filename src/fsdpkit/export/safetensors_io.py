@@ -88,7 +88,8 @@ def read_header(path: Path) -> Header:
         for s in shape:
             numel *= s
         if end - begin != numel * dtype.itemsize:
-            raise CheckpointCorruptError(f"{path}: {name} spans {end - begin} bytes, its shape needs {numel * dtype.itemsize}")
+            raise CheckpointCorruptError(f"{path}: {name} spans {end - begin} bytes, its shape needs "
+                                         f"{numel * dtype.itemsize}")
         tensors[name] = (dtype, shape, begin, end)
         spans.append((begin, end))
     position = 0
@@ -97,7 +98,8 @@ def read_header(path: Path) -> Header:
             raise CheckpointCorruptError(f"{path}: the header's data offsets leave a gap or overlap at byte {begin}")
         position = end
     if 8 + n + position != size:
-        raise CheckpointCorruptError(f"{path} has {size} bytes, its header describes {8 + n + position} (truncated or padded)")
+        raise CheckpointCorruptError(f"{path} has {size} bytes, its header describes {8 + n + position} (truncated or "
+                                     "padded)")
     return Header(tensors, metadata, 8 + n)
 
 
@@ -150,7 +152,8 @@ class StreamingSafetensorsWriter:
             nbytes = dtype.itemsize
             for s in shape:
                 nbytes *= s
-            header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape), "data_offsets": [position, position + nbytes]}
+            header[name] = {"dtype": DTYPE_CODES[dtype], "shape": list(shape),
+                            "data_offsets": [position, position + nbytes]}
             self._sizes.append((name, nbytes))
             position += nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()

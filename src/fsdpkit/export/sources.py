@@ -143,7 +143,8 @@ def chunk_problems(key: str, md: TensorStorageMetadata) -> list[str]:
     covered = 0
     for off, sz in chunks:
         if len(off) != len(size) or any(o < 0 or o + s > d for o, s, d in zip(off, sz, size, strict=True)):
-            problems.append(f"{key}: chunk at {list(off)} of size {list(sz)} lies outside the tensor's shape {list(size)}")
+            problems.append(f"{key}: chunk at {list(off)} of size {list(sz)} lies outside the tensor's shape "
+                            f"{list(size)}")
         n = 1
         for s in sz:
             n *= s
@@ -154,7 +155,8 @@ def chunk_problems(key: str, md: TensorStorageMetadata) -> list[str]:
             if all(a < b + lb and b < a + la for a, la, b, lb in zip(oa, sa, ob, sb, strict=True)):
                 problems.append(f"{key}: chunks at {list(oa)} and {list(ob)} overlap")
     if covered != total and not problems:
-        problems.append(f"{key}: its chunks hold {covered} of {total} elements (a rank's shard is missing from the metadata)")
+        problems.append(f"{key}: its chunks hold {covered} of {total} elements (a rank's shard is missing from the "
+                        "metadata)")
     return problems
 
 
@@ -174,7 +176,8 @@ class DcpSource:
         planner_data = getattr(self.metadata, "planner_data", None)
         self.key_paths = dict(planner_data) if isinstance(planner_data, dict) else None
         self._tensors = {k: TensorInfo(tuple(md.size), md.properties.dtype)
-                         for k, md in self.metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+                         for k, md in self.metadata.state_dict_metadata.items()
+                         if isinstance(md, TensorStorageMetadata)}
         self._files: dict[str, Any] = {}
         self._readers: dict[str, DirectReader] = {}  # local files: O_DIRECT reads (fsdpkit.checkpoint.direct_io)
         # An O_DIRECT reader holds a second descriptor per file: only where every file's two fit
@@ -215,7 +218,8 @@ class DcpSource:
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"{path} is missing; the checkpoint is incomplete") from None
             if isinstance(path, Path):
-                self._readers[relative] = DirectReader(path, self._files[relative].fileno(), bounce_bytes=tunables.current().export_block_bytes,
+                self._readers[relative] = DirectReader(path, self._files[relative].fileno(),
+                                                       bounce_bytes=tunables.current().export_block_bytes,
                                                        direct=self._direct)
         return self._files[relative]
 
@@ -232,8 +236,9 @@ class DcpSource:
             storage = chunk.storage
             where = f"{self.path / storage.relative_path} (chunk of {key} at {list(chunk.offsets)})"
             if storage.transform_descriptors:
-                raise CheckpointError(f"{where} is stored through DCP extensions {list(storage.transform_descriptors)}; "
-                                      "this reader reads plain chunks only: use the `dcp` reader (--reader dcp)")
+                raise CheckpointError(f"{where} is stored through DCP extensions "
+                                      f"{list(storage.transform_descriptors)}; this reader reads plain chunks only: "
+                                      "use the `dcp` reader (--reader dcp)")
             f = self._file(storage.relative_path)
             payload = locate_tensor(FileWindow(f, storage.offset, storage.length), source=where)
             if payload.dtype != self._tensors[key].dtype or payload.shape != chunk.sizes:

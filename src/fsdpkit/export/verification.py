@@ -109,7 +109,8 @@ def _dcp_structure(ckpt: Path, problems: _Problems, *, threads: int, skip: froze
         if isinstance(item, TensorStorageMetadata):
             for text in chunk_problems(key, item):
                 problems.add(METADATA_FILENAME, text)
-            entries = [(MetadataIndex(key, c.offsets), tuple(c.sizes)) for c in item.chunks if all(c.sizes) or not c.sizes]
+            entries = [(MetadataIndex(key, c.offsets),
+                        tuple(c.sizes)) for c in item.chunks if all(c.sizes) or not c.sizes]
         else:
             entries = [(MetadataIndex(key), None)]
         for index, sizes in entries:
@@ -194,7 +195,8 @@ def _safetensors_structure(folder: Path, files: list[Path], problems: _Problems)
             weight_map = json.loads((folder / INDEX_FILE).read_text())["weight_map"]
             listed = {k for k, f in weight_map.items() if f == file.name}
             if listed != set(header.tensors):
-                problems.add(file.name, f"{file} holds {len(header.tensors)} tensors, the index assigns it {len(listed)}")
+                problems.add(file.name, f"{file} holds {len(header.tensors)} tensors, the index assigns it "
+                                        f"{len(listed)}")
 
 
 def verify_checkpoint(path: str | os.PathLike, *, threads: int | None = None, tensors: bool = False) -> dict[str, Any]:
@@ -260,7 +262,8 @@ def _verify_one(ckpt: Path, *, threads: int, tensors: bool) -> dict[str, Any]:
             values_checked = True  # every byte of every file, tensor data included
             if manifest.get("state_dict_type", "sharded") == "full":
                 kind = "fsdpkit-full"
-                _safetensors_structure(ckpt, [ckpt / n for n in manifest["files"] if n.endswith(".safetensors") and n not in failed], problems)
+                stored = [ckpt / n for n in manifest["files"] if n.endswith(".safetensors") and n not in failed]
+                _safetensors_structure(ckpt, stored, problems)
             elif METADATA_FILENAME not in failed:
                 checked["chunks"] = _dcp_structure(ckpt, problems, threads=threads, skip=frozenset(failed))
                 if tensors and not problems.items:

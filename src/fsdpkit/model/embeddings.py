@@ -105,7 +105,8 @@ def check_vocab_and_tie(model: nn.Module, folder_config: dict[str, Any], *, grow
                 f"the model has vocab_size {a}, the folder's config.json {b}: set model.hf_config.vocab_size={b} "
                 f"(model.vocab_size={b} for model.kind=llama), or use the folder's tokenizer"
                 + (" and model.resize_to_tokenizer=true to grow it" if a > b else ""))
-    if "tied_embeddings" in mine and "tied_embeddings" in theirs and mine["tied_embeddings"] != theirs["tied_embeddings"]:
+    if ("tied_embeddings" in mine and "tied_embeddings" in theirs
+            and mine["tied_embeddings"] != theirs["tied_embeddings"]):
         a, b = mine["tied_embeddings"], theirs["tied_embeddings"]
         problems.append(
             f"the model's input embedding and lm_head are {tying_words(a)}, the folder's config.json has "

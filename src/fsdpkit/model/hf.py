@@ -37,7 +37,8 @@ def _transformers():
     try:
         import transformers
     except ImportError:
-        raise ImportError("model.kind=hf needs transformers: pip install 'fsdpkit[hf]' (with -c constraints.txt here)") from None
+        raise ImportError("model.kind=hf needs transformers: pip install 'fsdpkit[hf]' (with -c constraints.txt "
+                          "here)") from None
     return transformers
 
 
@@ -48,8 +49,8 @@ def _read_folder_config(path: str) -> dict[str, Any]:
                                 "(config.json and *.safetensors, as save_pretrained writes them)")
     file = folder / CONFIG_FILE
     if not file.is_file():
-        raise FileNotFoundError(f"model.path={path} has no {CONFIG_FILE}; point it at a Hugging Face model folder (what "
-                                "save_pretrained writes: config.json beside the *.safetensors weights), not at a "
+        raise FileNotFoundError(f"model.path={path} has no {CONFIG_FILE}; point it at a Hugging Face model folder "
+                                "(what save_pretrained writes: config.json beside the *.safetensors weights), not at a "
                                 "tokenizer or checkpoint folder")
     return read_json_object(file, where=f"model.path={path}: {CONFIG_FILE}")
 
@@ -66,7 +67,8 @@ def _refuse_unsupported(raw: dict[str, Any], *, path: str) -> None:
             "dequantize=True) where the quantizer supports it, then save_pretrained")
     if raw.get("auto_map"):
         log.warning("model.path=%s: config.json names custom code (auto_map); fsdpkit never runs code from a model "
-                    "folder and builds the model transformers itself has for model_type=%r", path, raw.get("model_type"))
+                    "folder and builds the model transformers itself has for model_type=%r", path,
+                    raw.get("model_type"))
 
 
 def _merge(base: Any, override: Any) -> Any:
@@ -112,7 +114,8 @@ def hf_config(model_cfg: Any) -> tuple[Any, list[str]]:
             continue
         if key not in current:
             raise ValueError(f"model.hf_config.{key}: {type(config).__name__} has no field {key!r} (the folder's "
-                             f"config.json at {path} has: {', '.join(sorted(k for k in current if not k.startswith('_')))})")
+                             f"config.json at {path} has: "
+                             f"{', '.join(sorted(k for k in current if not k.startswith('_')))})")
         new = _merge(current[key], value)
         if new != current[key]:
             setattr(config, key, new)

@@ -25,7 +25,8 @@ def lora_config(peft_cfg: Any) -> Any:
     try:
         from peft import LoraConfig
     except ImportError:
-        raise ImportError("model.peft.method=lora needs peft: pip install 'fsdpkit[hf]' (with -c constraints.txt)") from None
+        raise ImportError("model.peft.method=lora needs peft: pip install 'fsdpkit[hf]' (with -c "
+                          "constraints.txt)") from None
     return LoraConfig(r=peft_cfg.r, lora_alpha=peft_cfg.alpha, lora_dropout=peft_cfg.dropout,
                       target_modules=list(peft_cfg.target_modules), init_lora_weights="gaussian", bias="none")
 

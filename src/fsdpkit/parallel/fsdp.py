@@ -128,13 +128,14 @@ def warn_if_root_heavy(model: nn.Module, units: list[tuple[str, nn.Module]], *, 
     in_units = {id(p): p.numel() for _, unit in units for p in unit.parameters()}
     root = total - sum(in_units.values())
     if total and root / total > 0.5 and dist.is_main():
-        log.warning("policy.auto_wrap_policy=%s leaves %.0f%% of the parameters (%s of %s) in the root FSDP unit, which "
-                    "is gathered whole for every forward and backward: name the model's block class (the decoder "
+        log.warning("policy.auto_wrap_policy=%s leaves %.0f%% of the parameters (%s of %s) in the root FSDP unit, "
+                    "which is gathered whole for every forward and backward: name the model's block class (the decoder "
                     "layer) so that each block is its own unit (%d units now: %s)", policy, 100 * root / total,
                     f"{root:,}", f"{total:,}", len(units), ", ".join(sorted({type(u).__name__ for _, u in units})))
 
 
-def materialize(model: nn.Module, *, device: torch.device, seed: int, cpu_offload: bool = False, init: bool = True) -> None:
+def materialize(model: nn.Module, *, device: torch.device, seed: int, cpu_offload: bool = False,
+                init: bool = True) -> None:
     """Allocate the sharded model and initialise it, identically at any world size.
 
     With CPU offload the sharded parameters live in CPU memory; buffers (not managed by FSDP2)

@@ -46,7 +46,8 @@ def _local_view(param: torch.Tensor) -> tuple[torch.Tensor, int]:
         local = param.to_local()
         _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
         if any(offset[1:]):
-            raise NotImplementedError(f"deterministic init supports dim-0 sharding only, got placements {param.placements}")
+            raise NotImplementedError("deterministic init supports dim-0 sharding only, got placements "
+                                      f"{param.placements}")
         return local, offset[0]
     return param, 0
 
@@ -100,9 +101,9 @@ def init_weights(model: nn.Module, *, seed: int, std: float,
                 local.fill_(1.0)
             else:
                 raise NotImplementedError(
-                    f"no deterministic init rule for parameter {fqn!r} ({list(param.shape)}) of {type(module).__name__}: "
-                    "fsdpkit draws every matrix from the seed and starts biases at 0 and norm weights at 1, but "
-                    "cannot tell what this 1-D parameter should start at. Start from trained weights instead "
-                    "(model.path or model.init_from=hf:DIR)"
+                    f"no deterministic init rule for parameter {fqn!r} ({list(param.shape)}) of "
+                    f"{type(module).__name__}: fsdpkit draws every matrix from the seed and starts biases at 0 and "
+                    "norm weights at 1, but cannot tell what this 1-D parameter should start at. Start from trained "
+                    "weights instead (model.path or model.init_from=hf:DIR)"
                 )
     return left

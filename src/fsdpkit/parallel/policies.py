@@ -15,8 +15,10 @@ AUTO = "auto"  # a policy entry: the model's own block classes (_no_split_module
 PRESETS: dict[str, MixedPrecisionPolicy] = {
     "fp32": MixedPrecisionPolicy(),
     # bf16 compute, fp32 gradient reduction, fp32 outputs; buffers are never cast by FSDP2.
-    "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32),
-    "bf16-true": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, output_dtype=torch.float32),
+    "bf16-mixed": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                       output_dtype=torch.float32),
+    "bf16-true": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                      output_dtype=torch.float32),
 }
 
 
@@ -59,7 +61,8 @@ def matching_modules(model: nn.Module, paths: list[str], *, setting: str) -> lis
     if not paths:
         return []
     classes = tuple(c for p in paths
-                    for c in (auto_classes(model, setting=setting) if p == AUTO else [import_class(p, setting=setting)]))
+                    for c in (auto_classes(model, setting=setting) if p == AUTO
+                              else [import_class(p, setting=setting)]))
     found = [(name, m) for name, m in model.named_modules() if name and isinstance(m, classes)]
     if not found:
         have = sorted({f"{type(m).__module__}.{type(m).__qualname__}" for m in model.modules()})
@@ -77,7 +80,8 @@ def mixed_precision_policy(spec: Any) -> MixedPrecisionPolicy:
 
     policy = instantiate(spec)
     if not isinstance(policy, MixedPrecisionPolicy):
-        raise ValueError(f"policy.mixed_precision._target_ returned {type(policy).__name__}, not a MixedPrecisionPolicy")
+        raise ValueError(f"policy.mixed_precision._target_ returned {type(policy).__name__}, not a "
+                         "MixedPrecisionPolicy")
     return policy
 
 
@@ -94,7 +98,8 @@ def reshard_after_forward(strategy: StrategyConfig) -> bool:
     return strategy.sharding_strategy in ("FULL_SHARD", "HYBRID_SHARD")
 
 
-def mesh_shape(strategy: StrategyConfig, world_size: int, local_world_size: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def mesh_shape(strategy: StrategyConfig, world_size: int, local_world_size: int) -> tuple[tuple[int, ...],
+                                                                                          tuple[str, ...]]:
     """FULL_SHARD/SHARD_GRAD_OP: 1-D (shard,). HYBRID_SHARD: (replicate, shard).
     NO_SHARD: (world, 1), i.e. replicate everywhere, shard over a group of one."""
     if strategy.sharding_strategy == "HYBRID_SHARD":

@@ -153,7 +153,8 @@ class Trainer:
         any world size. Every rank runs the same number of forwards (FSDP needs all ranks)."""
         watchdog.doing(f"step {self.state.step}: evaluating")
         n = min(self.eval_samples, len(self.val_data))
-        chunks = eval_micro_batches(n, rank=dist.rank(), world_size=dist.world_size(), micro_batch_size=self.micro_batch_size)
+        chunks = eval_micro_batches(n, rank=dist.rank(), world_size=dist.world_size(),
+                                    micro_batch_size=self.micro_batch_size)
         loss_sum, tokens = 0.0, 0
         for indices in chunks:
             loss = micro_batch_loss(self.model, self.val_data, indices or [0], device=self.device)

@@ -92,7 +92,8 @@ def masked_loss_terms(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
     # Not fsdpkit.model.logits: that keeps only the logits, and the aux loss is in the same output.
     out = model(inputs)
     logits = out if isinstance(out, torch.Tensor) else out.logits  # [B, L, V]
-    ce_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+    ce_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum",
+                             ignore_index=IGNORE_INDEX)
     tokens = (targets != IGNORE_INDEX).sum()
     if coef is None:
         return LossTerms(ce_sum=ce_sum, tokens=tokens)

@@ -43,8 +43,10 @@ class WarmupCosine:
         return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    fn = WarmupCosine(warmup_steps=cfg.warmup_steps, max_steps=max_steps, schedule=cfg.schedule, min_lr_ratio=cfg.min_lr_ratio)
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *,
+                    max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    fn = WarmupCosine(warmup_steps=cfg.warmup_steps, max_steps=max_steps, schedule=cfg.schedule,
+                      min_lr_ratio=cfg.min_lr_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 

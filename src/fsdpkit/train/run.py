@@ -72,7 +72,8 @@ def resolve_model_config(cfg: Config, *, log_overrides: bool = False) -> None:
     cfg.model.hf_config = config.to_dict()
 
 
-def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: bool = True) -> tuple[Trainer, ShardingPlan]:
+def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path,
+                  init: bool = True) -> tuple[Trainer, ShardingPlan]:
     """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
     check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
     resolve_model_config(cfg)
@@ -97,7 +98,8 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
     d = cfg.diagnostics
     diagnostics = start_diagnostics(model, optimizer, device=device, run_dir=run_dir, enabled=d.enabled,
                                     memory_steps=d.memory_steps, skew_warn_ratio=d.skew_warn_ratio, strict=d.strict,
-                                    param_dtype=plan.mp_policy.param_dtype, state_dict_type=cfg.strategy.state_dict_type)
+                                    param_dtype=plan.mp_policy.param_dtype,
+                                    state_dict_type=cfg.strategy.state_dict_type)
     tensorboard = TensorBoardWriter.open(cfg.logging.tensorboard_dir) if cfg.logging.tensorboard else None
     train_data, val_data = build_datasets(cfg.data, vocab_size=vocab_size(model), seed=cfg.seed)
     sampler = GlobalSampler(num_samples=len(train_data), global_batch_size=cfg.train.global_batch_size,
@@ -190,14 +192,16 @@ def train(cfg: Config, *, device: torch.device) -> dict[str, Any]:
     trainer, found = None, None
     try:
         seed_everything(cfg.seed, rank=dist.rank())
-        resolve_model_config(cfg, log_overrides=True)  # before config.yaml is written: it records the config trained with
+        # before config.yaml is written: it records the config trained with
+        resolve_model_config(cfg, log_overrides=True)
         resize_vocab_to_tokenizer(cfg)  # likewise the grown size
         run_dir = Path(cfg.run_dir)
         dist.on_main(lambda: check_directories(cfg))  # every rank stops here, with rank 0's message
         if dist.is_main():
             (run_dir / CONFIG_FILE).write_text(to_yaml(cfg))
             log.info("resolved config (also in %s):\n%s", run_dir / CONFIG_FILE, to_yaml(cfg))
-        log.info("fsdpkit %s, torch %s, world size %d, device %s", __version__, torch.__version__, dist.world_size(), device)
+        log.info("fsdpkit %s, torch %s, world size %d, device %s", __version__, torch.__version__, dist.world_size(),
+                 device)
         groups = CheckpointGroups.create(cfg.checkpoint)
         found = find_checkpoint(cfg.checkpoint, group=groups.sync)  # before the model: skip init if resuming
         trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=found.path is None)
@@ -249,7 +253,8 @@ def export_final(cfg: Config) -> dict[str, Any]:
         log.info("exported the final weights, LoRA merged, to %s", e.dir)
         _log_folder_files(report)
         return report
-    report = _export_to(cfg, lambda out: export_checkpoint(Path(cfg.checkpoint.dir), Path(out), dtype=e.dtype, fmt=e.format,
+    report = _export_to(cfg, lambda out: export_checkpoint(Path(cfg.checkpoint.dir), Path(out), dtype=e.dtype,
+                                                           fmt=e.format,
                                                            max_shard_size=e.max_shard_size, overwrite=True,
                                                            run_dirs=[cfg.run_dir]))
     log.info("exported the final weights to %s (%s)", e.dir, report.get("dtype_note") or e.dtype)
