@@ -66,12 +66,14 @@ in every other run, so that none is always first nor always right after the same
   set_state_dict, and in the same rotation a raw read of the same bytes on as many ranks (the
   disk at that moment). B5 elastic load: the same checkpoint loaded on 1 and on 3 ranks (separate
   torchrun launches); time relative to the 2-rank load, also each over its own raw read.
-- B6 goodput (bench/checkpoint_goodput.py): --b6-steps fixed-cost steps, a save every --b6-every steps, for no checkpoint,
+- B6 goodput (bench/checkpoint_goodput.py): --b6-steps fixed-cost steps, a save every --b6-every
+  steps, for no checkpoint,
   fsdpkit sync, fsdpkit AsyncSaver (blocking and background staging) and dcp.async_save, state
   --b6-size-gib; --b6-rounds runs of each (medians), in the order A B C D E, then E D C B A, ...;
   each async method is made once per phase and warmed by one untimed save before the runs, as a
   training run makes its saver once (a staging buffer's one-time allocation is B2's first stall);
-  a thread of rank 0 that sleeps 5 ms at a time measures how late it wakes (GIL or core wait); on 2 ranks (no core free on a 2-core
+  a thread of rank 0 that sleeps 5 ms at a time measures how late it wakes (GIL or core wait); on
+  2 ranks (no core free on a 2-core
   machine) and on 1 rank (a core free for the background work, as on GPU nodes). Overhead =
   median loop time / that without checkpoints - 1; the loop ends when the last step's save call
   returned, and the time from then until that save is durable (drain) is reported apart. The

@@ -113,7 +113,8 @@ def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block:
     drops the GIL), each fsynced: what N ranks writing their shards at once can reach. Three ways,
     alternating: plain (all the write-back in the fsync), starting the write-back every
     FSDPKIT_WRITEBACK_BYTES as the writing goes on, and O_DIRECT (fsdpkit's writer does the last, or the
-    second where O_DIRECT is off); the ceiling is the fastest median. A new set of files per repetition, the previous set deleted first (the pattern of the
+    second where O_DIRECT is off); the ceiling is the fastest median. A new set of files per repetition,
+    the previous set deleted first (the pattern of the
     checkpoint runs: new files, the last run's deleted; rewriting one file in place was ~4x slower
     here)."""
     from fsdpkit import tunables

@@ -28,7 +28,8 @@ def _code_line(res: dict[str, Any]) -> str:
     line = (f"fsdpkit checkpoint code: {before['head']}{' + uncommitted changes' if before['uncommitted'] else ''} "
             f"(digest {before['digest']})")
     if before != after:
-        return line + f"; **CHANGED during the run** (now {after['head']}, digest {after['digest']}): phases mix versions"
+        return line + (f"; **CHANGED during the run** (now {after['head']}, digest {after['digest']}): "
+                       "phases mix versions")
     return line + "; unchanged during the run"
 
 
@@ -62,7 +63,8 @@ def _ceiling_rows(c: dict[str, Any]) -> list[str]:
     for k, r in c["read_cold"].items():
         if r is None:
             continue
-        how = ("O_DIRECT, 16 MiB aligned reads" if k.startswith("o_direct") else "page cache (warm)" if k.startswith("warm")
+        how = ("O_DIRECT, 16 MiB aligned reads" if k.startswith("o_direct")
+               else "page cache (warm)" if k.startswith("warm")
                else f"posix_fadvise(DONTNEED), then 16 MiB reads{_restarted(c)} (a VM host may still cache)")
         kind = "O_DIRECT" if k.startswith("o_direct") else "warm" if k.startswith("warm") else "cold-ish"
         rows.append(f"| read, {r['streams']} stream(s) at once, {kind} | "
@@ -181,7 +183,8 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "after the first step (cold pages; each method following each about equally often: in one process "
                 "fsdpkit's load right after a dcp.load ran up to 2x slower than after its own), pooled.",
                 "| size GiB | method | launch → first step s (median) | min–max (n) | launch → model built s | "
-                "checkpoint part, first in the process s | first step s | checkpoint part in-process s | min–max (n) |",
+                "checkpoint part, first in the process s | first step s | "
+                "checkpoint part in-process s | min–max (n) |",
                 "|---|---|---|---|---|---|---|---|---|", *b7]
     if b8:
         out += ["", f"### B8 scaling (medians of {res['scaling']['runs']} runs per row; resume = the checkpoint part "
@@ -194,7 +197,8 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         out += ["", f"### B6 goodput ({g['size_gib']:g} GiB state, {cfg['b6_steps']} fixed-cost steps of "
                 f"{g['B6']['fixed_step_s'] * 1e3:.0f} ms, a save every {cfg['b6_every']}; medians of "
                 f"{g['B6']['rounds']} runs per mode, modes in alternating order)",
-                "| ranks | mode | loop s | min–max (n) | overhead vs no checkpoint | saves per run | median stall ms | "
+                "| ranks | mode | loop s | min–max (n) | overhead vs no checkpoint | "
+                "saves per run | median stall ms | "
                 "drain s | extra process CPU per rank (/ loop) | GIL/core wait s (vs none) | "
                 "fsdpkit per save: wall / CPU (medians) |",
                 "|---|---|---|---|---|---|---|---|---|---|---|", *b6,

@@ -82,13 +82,15 @@ def b1_rows(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, l
                      f"{m['hash_wait_s'] * 1e3:.0f} ms, summed over ranks {m['hash_reduce_s'] * 1e3:.0f} ms; "
                      f"whole save in the manifest {m['total_s']:.2f} s")
     gbps = total / med[OUR_SYNC] / 1e9
-    others = f"the ceilings measured before the benchmarks: {n} streams {disk:.2f}: {gbps / disk:.2f}, 1 stream {one:.2f}: {gbps / one:.2f}"
+    others = (f"the ceilings measured before the benchmarks: {n} streams {disk:.2f}: {gbps / disk:.2f}, "
+              f"1 stream {one:.2f}: {gbps / one:.2f}")
     raws = {name: total / t / 1e9 for name, t in med.items()
             if name == RAW_WRITE or name.startswith((RAW_WRITE_WB, RAW_WRITE_DIRECT))}
     if raws:  # the ceilings timed in the same rotation as the saves: same ranks, bytes and moment; the fastest counts
         best = max(raws, key=raws.__getitem__)
         raw = raws[best]
-        label = lambda k: "plain" if k == RAW_WRITE else "O_DIRECT" if k.startswith(RAW_WRITE_DIRECT) else "write-back as it goes"  # noqa: E731
+        label = lambda k: ("plain" if k == RAW_WRITE  # noqa: E731
+                           else "O_DIRECT" if k.startswith(RAW_WRITE_DIRECT) else "write-back as it goes")
         each = ", ".join(f"{label(k)} {v:.2f}" for k, v in raws.items())
         _target(targets, f"B1 fsdpkit sync durable GB/s / raw write+fsync GB/s of the same bytes ({n} ranks at once, "
                 "timed in the same rotation; the fastest way)", size, gbps / raw, ">= 0.8", gbps / raw >= 0.8,
@@ -150,7 +152,8 @@ def b2_rows(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, l
         if kind not in b2["summary"]:
             continue
         s = b2["summary"][kind]
-        which = "fsdpkit async" + (" (background staging: call + next optimizer step's wait)" if kind != OUR_ASYNC else "")
+        background = " (background staging: call + next optimizer step's wait)"
+        which = "fsdpkit async" + (background if kind != OUR_ASYNC else "")
         x = s["stall_median_s"] / copy_s
         _target(targets, f"B2 {which} stall / memcpy time of per-rank state", size, x, "<= 1.3", x <= 1.3,
                 f"{s['stall_median_s'] * 1e3:.0f} ms / {copy_s * 1e3:.0f} ms ({how}) = {x:.2f} "
@@ -238,8 +241,9 @@ def b6_rows(g: dict[str, Any], label: str, targets: list, lines: list) -> None:
               + (f"; background thread CPU {ph['background_cpu_s']:.2f} s" if "background_cpu_s" in ph else "")
               if "write_cpu_s" in ph else "-")
         late = r.get("heartbeat_late_median_s")
-        gil = "-" if late is None else (f"{late:.2f}" + ("" if mode == "no checkpoint" else
-                                                         f" ({late - b6['no checkpoint']['heartbeat_late_median_s']:+.2f})"))
+        gil = "-" if late is None else f"{late:.2f}"
+        if late is not None and mode != "no checkpoint":
+            gil += f" ({late - b6['no checkpoint']['heartbeat_late_median_s']:+.2f})"
         lines.append(f"| {label} | {mode} | {r['loop_median_s']:.2f} | {min_max(r['loop_s'])} | {over} | "
                      f"{r['saves_per_run']} | {r['stall_median_s'] * 1e3:.0f} | {r['drain_median_s']:.2f} | "
                      f"{extra} | {gil} | {bg} |")
@@ -372,7 +376,8 @@ def b8_rows(sc: dict[str, Any], c: dict[str, Any], targets: list, lines: list) -
             continue
         a, b, r2 = _fit([x for x, _ in xy], [y for _, y in xy])
         ba, bb, br2 = _fit([x for x, _ in base[what]], [y for _, y in base[what]])
-        lines.append(f"{what} on 2 ranks: time = {a:+.3f} s + {b:.3f} s/GiB × size (r² {r2:.3f}); the baseline of the "
+        lines.append(f"{what} on 2 ranks: time = {a:+.3f} s + {b:.3f} s/GiB × size (r² {r2:.3f}); "
+                     "the baseline of the "
                      f"same rows ({BASELINE_NAMES[what]}): {ba:+.3f} s + {bb:.3f} s/GiB (r² {br2:.3f}): a bend both "
                      "show is the disk's")
         span = f"{min(x for x, _ in xy):.2g}–{max(x for x, _ in xy):.2g}"

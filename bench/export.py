@@ -9,7 +9,8 @@
    writing each 16 MiB, as dd), through the page cache (in fsdpkit's pieces: a new descriptor per
    16 MiB read, 256 KiB write calls; fsdpkit.checkpoint.page_cache) and with O_DIRECT; and in the rotation with
    the runs (drift hits both alike), the checkpoint's own files read, written and copied with the
-   export's own parallelism (FSDPKIT_EXPORT_READ_AHEAD read threads, FSDPKIT_EXPORT_WRITE_THREADS write threads, O_DIRECT). Each
+   export's own parallelism (FSDPKIT_EXPORT_READ_AHEAD read threads, FSDPKIT_EXPORT_WRITE_THREADS write
+   threads, O_DIRECT). Each
    ceiling is the fastest of these. Where reads and writes share the disk's budget, a copy moves
    about as many bytes per second (reads and writes together) as reading or writing alone, and no
    export beats the copy: the ratio to it is shown beside the target's, with the copy's reads +
@@ -217,7 +218,8 @@ def markdown(result: dict) -> str:
              f"(in {result['write_s']:.1f} s); {result['reps']} runs each, medians; checkpoint evicted from the page "
              "cache before each run",
              "disk ceilings (medians), measured two ways, the faster counting: before the runs, one stream, through "
-             "the page cache and with O_DIRECT (" + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in disk["medians"].items())
+             "the page cache and with O_DIRECT ("
+             + ", ".join(f"{k.replace('_', ' ')} {v:.2f}" for k, v in disk["medians"].items())
              + "); in the rotation with the runs, the checkpoint's own files with the export's parallelism "
                f"({par['readers']} "
              f"read threads, {par['writers']} write threads, 16 MiB blocks{', O_DIRECT' if par['direct'] else ''}): "
@@ -227,7 +229,8 @@ def markdown(result: dict) -> str:
              f"{disk['copy_gb_s']:.2f} GB/s = {disk['copy_gb_s'] / ceiling:.2f} x min: the copy moves "
              f"{2 * disk['copy_gb_s']:.2f} GB/s of reads and writes together, {shared:.2f} x the faster of reading or "
              "writing alone"
-             + (" (the copy, an export's ceiling, stays below 0.8 x min on this disk)" if disk["copy_gb_s"] < 0.8 * ceiling else ""),
+             + (" (the copy, an export's ceiling, stays below 0.8 x min on this disk)"
+                if disk["copy_gb_s"] < 0.8 * ceiling else ""),
              f"targets: throughput >= {0.8 * ceiling:.2f} GB/s (0.8 x min, issue 15) and >= "
              f"{0.8 * disk['copy_gb_s']:.2f} GB/s (0.8 x copy), peak RSS <= {rss_target / MIB:.0f} MiB (0.1 x model + "
              "512 MiB)",
@@ -258,7 +261,8 @@ def markdown(result: dict) -> str:
         lines.append(f"address-space limit: imports + {lim['extra_bytes'] / GIB:.2f} GiB (checkpoint {mb / GIB:.2f} "
                      "GiB):")
         for name, r in lim["runs"].items():
-            text = f"completed in {r['seconds']:.2f} s, peak RSS {r['peak_rss'] / MIB:.0f} MiB" if r["ok"] else f"failed: {r['error']}"
+            text = (f"completed in {r['seconds']:.2f} s, peak RSS {r['peak_rss'] / MIB:.0f} MiB" if r["ok"]
+                    else f"failed: {r['error']}")
             lines.append(f"- {name}: {text}")
     return "\n".join(lines)
 

@@ -308,7 +308,8 @@ def main() -> None:
             except Exception as e:  # noqa: BLE001 (a baseline failing must not lose fsdpkit's figures)
                 import traceback
 
-                where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__)[-4:]))
+                frames = traceback.extract_tb(e.__traceback__)[-4:]
+                where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames))
                 notes.append(f"failed: torchtitan's fast mode: {type(e).__name__}: {e} (at {where})"[:1000])
             finally:
                 kwargs["async_stager"].close()

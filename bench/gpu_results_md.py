@@ -38,7 +38,8 @@ def machine(d: Path) -> tuple[list[str], str]:
     lines = [f"- machine: GPU {info.get('gpu', '?')}, {info.get('cpus', '?')} CPUs, {info.get('mem_gib', '?')} GiB "
              f"RAM; Python {info.get('python', '?')}, torch {info.get('torch', '?')}; commit "
              f"`{info.get('commit', '?')}`",
-             "- parts (exit code, seconds): " + (", ".join(f"{n} {rc} ({s} s)" for n, rc, s in parts) or "none recorded")]
+             "- parts (exit code, seconds): "
+             + (", ".join(f"{n} {rc} ({s} s)" for n, rc, s in parts) or "none recorded")]
     return lines, date
 
 
@@ -59,7 +60,8 @@ def train_section(r: dict | None) -> list[str]:
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     ratios, mfus = [], []
     for c in r["configs"]:
-        head = f"| {c['model']} | {'yes' if c['compile'] else 'no'} | {'yes' if c['activation_checkpointing'] else 'no'} "
+        head = (f"| {c['model']} | {'yes' if c['compile'] else 'no'} "
+                f"| {'yes' if c['activation_checkpointing'] else 'no'} ")
         if "sides" not in c:
             why = c.get("error") or c.get("skipped") or f"out of memory at {c.get('oom_at')}"
             out.append(head + f"| - | {why.replace('|', '/')[:300]} | | | | | | |")

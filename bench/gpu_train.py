@@ -373,7 +373,8 @@ def worker(args: argparse.Namespace) -> None:
         estimate = spent.get(compile_, 75.0 if compile_ else 35.0)
         elapsed = time.perf_counter() - t_begin
         if elapsed + estimate > args.budget_s:
-            entry["skipped"] = f"time budget: {elapsed:.0f} s spent, ~{estimate:.0f} s needed, --budget-s {args.budget_s:.0f}"
+            entry["skipped"] = (f"time budget: {elapsed:.0f} s spent, ~{estimate:.0f} s needed, "
+                                f"--budget-s {args.budget_s:.0f}")
             result["configs"].append(entry)
             if rank == 0:
                 print(f"{kind} compile={compile_} ac={ac}: skipped ({entry['skipped']})", flush=True)
@@ -428,8 +429,8 @@ def print_config(e: dict, *, flush_json) -> None:
     flush_json()
     head = f"{e['model']} compile={e['compile']} ac={e['activation_checkpointing']}"
     if "sides" not in e:
-        print(f"{head}: {e.get('error') or e.get('skipped') or 'nothing fitted (out of memory at ' + str(e['oom_at']) + ')'}",
-              flush=True)
+        why = e.get("error") or e.get("skipped") or "nothing fitted (out of memory at " + str(e["oom_at"]) + ")"
+        print(f"{head}: {why}", flush=True)
         return
     s = e["sides"]
     pct = lambda v: f"{v * 100:.1f}%" if v is not None else "n/a"  # noqa: E731

@@ -137,7 +137,9 @@ def ckpt_root(run: Path) -> Path:
 def uncommitted(run: Path) -> set[str]:
     """Step directories without a manifest: saves in progress (or abandoned by a kill)."""
     root = ckpt_root(run)
-    return {p.name for p in root.glob("step_*") if p.is_dir() and not (p / "manifest.json").exists()} if root.is_dir() else set()
+    if not root.is_dir():
+        return set()
+    return {p.name for p in root.glob("step_*") if p.is_dir() and not (p / "manifest.json").exists()}
 
 
 def latest_manifest(run: Path) -> dict | None:

@@ -4,7 +4,8 @@ Every case runs real jobs (launcher + 2 gloo ranks), hurts them (SIGKILL of the 
 killed or stopped, preemption signals, a full disk, corrupted shards, elastic restarts), then runs
 the same command again and checks that it resumes from a committed checkpoint and ends
 bit-identical to an uninterrupted run. Issue 10's corruption fuzz (one mutation of every kind in
-tests/fuzz/corruption.py per trial) and a directory-reuse misuse run end to end the same way. Prints one table; exits 1 on any failure. A trial's faults
+tests/fuzz/corruption.py per trial) and a directory-reuse misuse run end to end the same way. Prints
+one table; exits 1 on any failure. A trial's faults
 depend only on --seed, the case and the trial index: `--only CASE --trial N` re-runs one.
 """
 

@@ -42,7 +42,8 @@ def config_page() -> str:
     out = ["# Config options", "", GENERATED_NOTE.format(source="src/fsdpkit/config/schema.py"),
            "Set any of them on the command line (`key=value`, Hydra syntax), in an experiment file or in "
            "`conf/config.yaml`; `fsdpkit config docs` prints the same list and `fsdpkit config show` the "
-           "resolved values. How the layers combine: [the demo tutorial](../tutorials/demo.md#layered-configuration).", ""]
+           "resolved values. How the layers combine: "
+           "[the demo tutorial](../tutorials/demo.md#layered-configuration).", ""]
     for section, rows in sections.items():
         out += [f"## {section}", "", "| key | type | default | meaning |", "|---|---|---|---|", *rows, ""]
     return "\n".join(out)
@@ -156,7 +157,8 @@ def api_names() -> dict[str, str]:
     for name in package.__all__:
         modules = defined.get(name, [])
         if len(modules) != 1:
-            raise RuntimeError(f"fsdpkit.checkpoint.{name} is defined in {modules or 'no module'}; expected exactly one")
+            raise RuntimeError(f"fsdpkit.checkpoint.{name} is defined in {modules or 'no module'}; "
+                               "expected exactly one")
         out[name] = modules[0]
     return out
 

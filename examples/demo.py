@@ -72,7 +72,8 @@ def main() -> int:
         raise SystemExit(f"demo: expected one resume from {KILL_AFTER}, metrics.jsonl shows resumes at {resumes}")
     resumed_from = resumes[0]
     after = [s for s in sorted(full) if s > resumed_from]
-    identical = all(resumed[s]["loss"] == full[s]["loss"] and resumed[s]["grad_norm"] == full[s]["grad_norm"] for s in after)
+    identical = all(resumed[s]["loss"] == full[s]["loss"] and resumed[s]["grad_norm"] == full[s]["grad_norm"]
+                    for s in after)
     losses = [full[s]["loss"] for s in sorted(full)]
     print(f"\ndemo: {len(full)} steps on 2 ranks in {wall:.1f} s; loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
           f"val_loss {full[max(full)].get('val_loss', float('nan')):.3f}")

@@ -105,7 +105,8 @@ class FsdpkitCheckpoint(L.Callback):
                                  **self.settings)
         self.resumed_step = self.ckpt.resume()
         # Lightning counts optimizer steps itself: continue its count where the checkpoint left off.
-        trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = self.resumed_step
+        progress = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress
+        progress.optimizer.step.total.completed = self.resumed_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: LitLlama, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step

@@ -53,7 +53,8 @@ def make(model_type: str, out: Path) -> None:
     import transformers
 
     base = transformers.AutoConfig.for_model(model_type)
-    kwargs = {k: v for k, v in SMALL.items() if hasattr(base, k) and not (k == "head_dim" and model_type in NO_HEAD_DIM)}
+    kwargs = {k: v for k, v in SMALL.items()
+              if hasattr(base, k) and not (k == "head_dim" and model_type in NO_HEAD_DIM)}
     config = transformers.AutoConfig.for_model(model_type, **kwargs, **SPECIAL.get(model_type, {}))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -136,4 +136,5 @@ def test_inspect_and_verify_say_what_they_picked(written, tmp_path, capsys):
     (lightning / "last.ckpt").mkdir()
     (lightning / "last.ckpt" / ".metadata").write_bytes((lightning / "epoch=0-step=4.ckpt" / ".metadata").read_bytes())
     code, _, err = cli(capsys, "inspect", str(lightning))
-    assert code == 2 and "their names do not say which is newest: epoch=0-step=2.ckpt, epoch=0-step=4.ckpt, last.ckpt" in err
+    assert code == 2
+    assert "their names do not say which is newest: epoch=0-step=2.ckpt, epoch=0-step=4.ckpt, last.ckpt" in err

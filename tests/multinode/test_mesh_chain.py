@@ -40,7 +40,8 @@ def test_hsdp_on_two_launchers_resumes_under_full_shard_3_no_shard_2_and_back(tm
     resumes = [e for e in read_records(run, events=True) if e["event"] == "resume"]
     assert [(e["step"], e["saved_world_size"]) for e in resumes] == [(4, 4), (6, 3), (8, 2)]
     ckpts = run / "checkpoints"
-    meshes = {s: json.loads((ckpts / f"step_{s}" / "manifest.json").read_text())["mesh"]["shape"] for s in (4, 6, 8, 12)}
+    meshes = {s: json.loads((ckpts / f"step_{s}" / "manifest.json").read_text())["mesh"]["shape"]
+              for s in (4, 6, 8, 12)}
     assert meshes == {4: [2, 2], 6: [3], 8: [2, 1], 12: [2, 2]}
     want = {r["step"]: r for r in read_records(full)}
     got = {r["step"]: r for r in read_records(run)}  # a later record wins

@@ -42,7 +42,8 @@ def test_report_of_a_correct_two_rank_run(diag):
     assert on_disk["num_units"] == 2 and on_disk["memory"]["steps"] == 3
     log = res["correct"]["log"]
     assert "FSDP2 as applied (read from the modules, not the config)" in log
-    assert "units: 2 besides the root (model.layers.0, model.layers.1)" in log and "checks: no setup problems found" in log
+    assert "units: 2 besides the root (model.layers.0, model.layers.1)" in log
+    assert "checks: no setup problems found" in log
     assert "peak memory per phase over the first 3 steps" in log
 
 

@@ -106,7 +106,8 @@ def test_grad_norm_check_in_a_world_of_one():
     assert grad_norm_findings(5.0, parameters=[p], max_norm=0.0) == []
     assert grad_norm_findings(torch.tensor(5.0), parameters=[p], max_norm=float("inf")) == []
     (exceeds,) = grad_norm_findings(5.0, parameters=[p], max_norm=1.0)  # "clipped" but still 5
-    assert exceeds.code == codes.PER_SHARD_GRAD_NORM and "after clipping to max_norm=1 the global gradient norm is 5" in exceeds.message
+    assert exceeds.code == codes.PER_SHARD_GRAD_NORM
+    assert "after clipping to max_norm=1 the global gradient norm is 5" in exceeds.message
     (wrong,) = grad_norm_findings(4.0, parameters=[p], max_norm=0.0)
     assert wrong.code == codes.GRAD_NORM_MISMATCH and "reported gradient norm 4 is not the global norm" in wrong.message
     torch.nn.utils.clip_grad_norm_([p], 1.0)
@@ -265,7 +266,9 @@ def test_settings_are_read_back_from_the_live_modules():
         assert r["sharding_strategy"] == name and r["mesh"]["shape"] == mesh, name
         assert r["reshard_after_forward"] == {"units": units, "root": root}, name
         assert r["num_units"] == 3 and r["sample_units"] == ["model.layers.0", "model.layers.1", "model.layers.2"]
-        assert r["offload"] == ["none"] and r["mixed_precision"]["param_dtype"] == "unset" and r["num_checkpointed"] == 0
+        assert r["offload"] == ["none"]
+        assert r["mixed_precision"]["param_dtype"] == "unset"
+        assert r["num_checkpointed"] == 0
         assert r["findings"] == [], (name, r["findings"])
         shard_ranks = mesh[-1]
         assert r["local_param_mib"] == pytest.approx(r["total_param_mib"] / shard_ranks, rel=0.02), name

@@ -282,7 +282,8 @@ def test_export_streams_every_layout_into_shards_and_converts_dtypes(ckpt, tmp_p
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert sorted(index["weight_map"]) == sorted(TENSORS) and report["index"] == "model.safetensors.index.json"
     assert len(report["files"]) == len(set(index["weight_map"].values())) >= 2
-    assert not (out / "config.json").exists() and "carries no model config" in report["config"] and "--config" in report["config"]
+    assert not (out / "config.json").exists()
+    assert "carries no model config" in report["config"] and "--config" in report["config"]
     got = {}
     for file in report["files"]:
         with safe_open(out / file, framework="pt") as f:
@@ -350,8 +351,10 @@ def test_uncommitted_fsdpkit_directory_is_refused(ckpt):
 def test_inspect_describes_layouts_and_refuses_crafted_metadata(ckpt, tmp_path):
     report = inspect_checkpoint(ckpt)
     by_key = {t["key"]: t for t in report["tensors"]}
-    assert by_key["model.embed"]["sharding"] == "dim 0: 4+4+2 rows" and by_key["model.mlp.w"]["sharding"].startswith("4 blocks")
-    assert by_key["model.count"]["sharding"] == "whole" and report["non_tensor_items"][0]["key"] == "optim.param_groups.0.lr"
+    assert by_key["model.embed"]["sharding"] == "dim 0: 4+4+2 rows"
+    assert by_key["model.mlp.w"]["sharding"].startswith("4 blocks")
+    assert by_key["model.count"]["sharding"] == "whole"
+    assert report["non_tensor_items"][0]["key"] == "optim.param_groups.0.lr"
     assert set(report["bytes_per_rank"]) == {"rank 0", "rank 1"} and report["checksums"]["recorded"] is False
     assert describe_chunks((8, 2), [((0, 0), (4, 2)), ((4, 0), (4, 2))]) == "dim 0: 2 x 4 rows"
     (ckpt / ".metadata").write_bytes(pickle.dumps(_Payload(tmp_path / "pwned")))
@@ -451,7 +454,8 @@ def test_load_hf_weights_names_every_missing_unexpected_and_reshaped_key(tmp_pat
     text = str(err.value)
     assert "nothing was loaded" in text and "missing from tmp" not in text
     assert "shape differs: model.layers.0.mlp.up_proj.weight: file [5, 5] (model.safetensors), model [48, 32]" in text
-    assert "missing from " in text and "model.norm.weight [32]" in text and "not in the model: model.extra.weight [3]" in text
+    assert "missing from " in text and "model.norm.weight [32]" in text
+    assert "not in the model: model.extra.weight [3]" in text
     assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())  # untouched
     state["model.layers.0.mlp.up_proj.weight"] = src["model.layers.0.mlp.up_proj.weight"]
     save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})

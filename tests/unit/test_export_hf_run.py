@@ -241,7 +241,8 @@ def test_export_writes_exactly_what_save_pretrained_writes(hub_case, tmp_path, s
     report = export_checkpoint(ckpt, out, **({"max_shard_size": 20_000, "block_bytes": 256} if shards else {}))
     assert_same_files(out, reference)
     assert (len(report["files"]) > 1) == shards
-    assert any(f"wrote the hub's layout of {type(model).__name__}, as save_pretrained does" in n for n in report["notes"])
+    layout_note = f"wrote the hub's layout of {type(model).__name__}, as save_pretrained does"
+    assert any(layout_note in n for n in report["notes"])
     with safe_open(str(next(out.glob("*.safetensors"))), "pt") as f:
         assert f.metadata()["exported_by"].startswith("fsdpkit ")
     loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)

@@ -51,7 +51,8 @@ def test_packed_samples_decode_back_to_the_documents(tmp_path, hf_tokenizer_dir,
     text = tok.decode(stream.tolist())
     joined = "".join(d + EOS for d in docs[:9])
     assert text == joined[: len(text)] and len(joined) - len(text) < 17 * 16  # all but a last partial window
-    assert tok.decode(val.batch([0])[0].tolist()) == "".join(d + EOS for d in docs[9:])[: len(tok.decode(val.batch([0])[0].tolist()))]
+    val_text = tok.decode(val.batch([0])[0].tolist())
+    assert val_text == "".join(d + EOS for d in docs[9:])[: len(val_text)]
     inputs, targets = train.labeled_batch([0, 1])
     assert (targets == tokens[:2, 1:]).all() and (inputs == tokens[:2, :-1]).all()
     assert train.target_count([0, 1]) == 2 * 16

@@ -207,7 +207,8 @@ def test_a_failed_manifest_write_leaves_no_debris_and_latest_unmoved(root, marke
             pytest.raises(CheckpointSaveError, match=r"could not write .*step_3/manifest.json \(\[Errno 28\] No space"):
         _save(_target(), root / "step_3", 3)
     tmp = root / "step_3" / f".{MANIFEST}.tmp"  # the fsync fails on the temporary file, the rename onto the manifest
-    assert [(f["op"], f["path"]) for f in fired(marker)] == [(op, str(tmp if op == "fsync" else root / "step_3" / MANIFEST))]
+    failed_path = str(tmp if op == "fsync" else root / "step_3" / MANIFEST)
+    assert [(f["op"], f["path"]) for f in fired(marker)] == [(op, failed_path)]
     assert not (root / "step_3").exists() and (root / LATEST).read_text().strip() == "step_2"
     assert not list(root.glob("step_*/.*.tmp"))
 

@@ -30,7 +30,7 @@ def _spy_reopens(monkeypatch) -> list[str]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="no /proc here: one descriptor reads it all")
-def test_a_file_read_to_its_end_gets_a_new_descriptor_every_restart_bytes_even_once_its_path_is_replaced(tmp_path, monkeypatch, tune):
+def test_read_to_end_reopens_every_restart_bytes_even_after_path_replaced(tmp_path, monkeypatch, tune):
     tune(read_restart_bytes=3 * 4096)
     data = os.urandom(10 * 4096 + 123)
     path = tmp_path / "f.distcp"

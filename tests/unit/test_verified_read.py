@@ -325,7 +325,8 @@ def test_a_wrong_prediction_is_caught_by_the_zip_directory_and_read_again(large,
 
     real = vr.predict_tensor
     monkeypatch.setattr(vr, "predict_tensor",
-                        lambda head, **kw: dataclasses.replace(p, data_start=p.data_start + 64) if (p := real(head, **kw)) else p)
+                        lambda head, **kw: dataclasses.replace(p, data_start=p.data_start + 64)
+                        if (p := real(head, **kw)) else p)
     path, state = large
     reader, targets, copied = _load_all(path, state, monkeypatch)
     for key, value in state.items():

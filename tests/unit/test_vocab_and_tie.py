@@ -179,6 +179,7 @@ def test_folder_config_defaults_and_text_config(tmp_path):
     check_vocab_and_tie(hf_llama(vocab=64), nested)
     with pytest.raises(ValueError, match=r"vocab_size 72, the folder's config\.json 64"):
         check_vocab_and_tie(hf_llama(vocab=72), nested)
-    mm = folder_config(tmp_path / "m", transformers.Gemma3Config(text_config={"vocab_size": 64, **SIZES, "head_dim": 8}))
+    mm_config = transformers.Gemma3Config(text_config={"vocab_size": 64, **SIZES, "head_dim": 8})
+    mm = folder_config(tmp_path / "m", mm_config)
     with pytest.raises(ValueError, match=r"vocab_size 72, the folder's config\.json 64"):
         check_vocab_and_tie(hf_llama(vocab=72, tied=True), mm)
