@@ -64,6 +64,14 @@ def _fail(out: Outcome, why: str) -> Outcome:
     return out
 
 
+def _unless_landed(out: Outcome, landed: bool, why: str) -> Outcome:
+    """A trial whose fault did not land where its case says is "not exercised": counted apart,
+    never as a pass (a failure found on the way still fails it)."""
+    if out.ok and not landed:
+        out.exercised, out.detail = False, why
+    return out
+
+
 def _tail(job: Job, n: int = 300) -> str:
     return " | ".join(job.stderr()[-n:].splitlines()[-3:])
 
@@ -110,7 +118,8 @@ def kill_job(mode: str) -> Callable[[int, random.Random, Context], Outcome]:
             job.kill_all()
             out.kills += 1
             out.kills_in_save += bool(uncommitted(run) - before)
-        return _rerun_exact(ctx, run, out, expect_resume=_committed_step(run))
+        out = _rerun_exact(ctx, run, out, expect_resume=_committed_step(run))
+        return _unless_landed(out, out.kills > 0, "no kill: the run had already reached its last steps")
     return case
 
 
@@ -149,7 +158,9 @@ def one_rank(sig: int, where: str, mode: str) -> Callable[[int, random.Random, C
             return _fail(out, f"no log line named rank {victim} as stopped: {_tail(job)}")
         if sig == signal.SIGKILL and f"rank {victim} (pid" not in text:
             return _fail(out, f"the launcher did not name rank {victim}: {_tail(job)}")
-        return _rerun_exact(ctx, run, out, expect_resume=_committed_step(run))
+        out = _rerun_exact(ctx, run, out, expect_resume=_committed_step(run))
+        landed = where != "mid-save" or out.kills_in_save > 0
+        return _unless_landed(out, landed, f"{name} reached rank {victim} after the save had committed")
     return case
 
 
@@ -217,9 +228,8 @@ def disk_full(where: str) -> Callable[[int, random.Random, Context], Outcome]:
             return _fail(out, f"exit {rc} without naming the full disk: {_tail(job)}")
         committed = _committed_step(run)
         landed = _where_it_failed(run)
-        if landed != where:
-            out.detail = f"(the disk filled in the {landed}, not the {where})"
-        return _rerun_exact(ctx, run, out, expect_resume=committed)
+        out = _rerun_exact(ctx, run, out, expect_resume=committed)
+        return _unless_landed(out, landed == where, f"the disk filled in the {landed}, not the {where}")
     return case
 
 

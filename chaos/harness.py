@@ -38,6 +38,7 @@ class Outcome:
     seed: int
     ok: bool
     detail: str = ""
+    exercised: bool = True  # False: the fault did not land where the case names it; neither a pass nor a fail
     exit_s: list[float] = field(default_factory=list)  # signal -> every process gone
     kills: int = 0
     kills_in_save: int = 0

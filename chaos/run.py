@@ -5,8 +5,10 @@ killed or stopped, preemption signals, a full disk, corrupted shards, elastic re
 the same command again and checks that it resumes from a committed checkpoint and ends
 bit-identical to an uninterrupted run. Issue 10's corruption fuzz (one mutation of every kind in
 tests/fuzz/corruption.py per trial) and a directory-reuse misuse run end to end the same way. Prints
-one table; exits 1 on any failure. A trial's faults
-depend only on --seed, the case and the trial index: `--only CASE --trial N` re-runs one.
+one table; exits 1 on any failure. A trial whose fault did not land where its case names it (a
+kill that arrived after the save committed, a disk that filled elsewhere) is "not exercised":
+reported apart, never counted as a pass, and a case with no exercised trial fails the run. A trial's
+faults depend only on --seed, the case and the trial index: `--only CASE --trial N` re-runs one.
 """
 
 from __future__ import annotations
@@ -59,9 +61,21 @@ def main(argv: list[str] | None = None) -> int:
         results = list(pool.map(lambda t: run_trial(*t, ctx=ctx), trials))
     print(table(results, seed=args.seed, wall_s=time.monotonic() - t0))
     failed = [r for r in results if not r.ok]
-    if not failed and args.work_dir is None:
+    idle_cases = never_exercised(results)
+    for case in idle_cases:
+        print(f"chaos: FAIL {case}: no trial's fault landed where the case names it; it proved nothing")
+    if not failed and not idle_cases and args.work_dir is None:
         shutil.rmtree(work, ignore_errors=True)
-    return 1 if failed else 0
+    return 1 if failed or idle_cases else 0
+
+
+def never_exercised(results: list[Outcome]) -> list[str]:
+    """The cases none of whose trials landed its fault (every trial "not exercised")."""
+    cases: dict[str, bool] = {}
+    for r in results:
+        name = r.case.split(":")[0]
+        cases[name] = cases.get(name, False) or r.exercised or not r.ok
+    return [name for name, exercised in cases.items() if not exercised]
 
 
 def run_trial(name: str, trial: int, case, *, ctx: Context) -> Outcome:
@@ -73,29 +87,35 @@ def run_trial(name: str, trial: int, case, *, ctx: Context) -> Outcome:
     except Exception as e:  # noqa: BLE001 - a harness error is a failed trial, with its cause
         out = Outcome(case=name, trial=trial, seed=ctx.seed, ok=False, detail=f"harness: {type(e).__name__}: {e}")
     out.case = f"{name}: {out.case}"
-    print(f"chaos: {'PASS' if out.ok else 'FAIL'} {name} #{trial} ({time.monotonic() - t:.0f} s) {out.detail}",
-          flush=True)
+    verdict = "FAIL" if not out.ok else "PASS" if out.exercised else "NOT EXERCISED"
+    print(f"chaos: {verdict} {name} #{trial} ({time.monotonic() - t:.0f} s) {out.detail}", flush=True)
     return out
 
 
 def table(results: list[Outcome], *, seed: int, wall_s: float) -> str:
-    """One markdown table: per case trials, passes, kills (inside a save), restarts, exit times;
-    then every failure with its seed and exact case."""
+    """One markdown table: per case trials, passes, trials whose fault did not land where the case
+    names it (not exercised: not passes), failures, kills (inside a save), restarts, exit times; then
+    every failure with its seed and exact case."""
     groups: dict[str, list[Outcome]] = {}
     for r in results:
         groups.setdefault(r.case.split(":")[0], []).append(r)
-    rows = ["| case | trials | pass | fail | faults | inside a save | restarts | time to exit (s) median / max |",
-            "|---|---:|---:|---:|---:|---:|---:|---|"]
+    rows = ["| case | trials | pass | not exercised | fail | faults | inside a save | restarts "
+            "| time to exit (s) median / max |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for name, rs in groups.items():
         exits = [x for r in rs for x in r.exit_s]
         times = f"{statistics.median(exits):.1f} / {max(exits):.1f}" if exits else "-"
-        rows.append(f"| {name} | {len(rs)} | {sum(r.ok for r in rs)} | {sum(not r.ok for r in rs)} | "
+        passed, idle = sum(r.ok and r.exercised for r in rs), sum(r.ok and not r.exercised for r in rs)
+        rows.append(f"| {name} | {len(rs)} | {passed} | {idle} | {sum(not r.ok for r in rs)} | "
                     f"{sum(r.kills for r in rs)} | {sum(r.kills_in_save for r in rs)} | {sum(r.restarts for r in rs)} "
                     f"| {times} |")
-    total = f"{len(results)} trials, {sum(r.ok for r in results)} passed, seed {seed}, {wall_s / 60:.1f} min"
+    idle = [r for r in results if r.ok and not r.exercised]
+    total = (f"{len(results)} trials, {sum(r.ok and r.exercised for r in results)} passed, {len(idle)} not "
+             f"exercised, seed {seed}, {wall_s / 60:.1f} min")
     failures = [f"- FAIL seed {r.seed} `--only {r.case.split(':')[0]} --trial {r.trial}` ({r.case}): {r.detail}"
                 for r in results if not r.ok]
-    notes = [f"- note: {r.case} #{r.trial}: {r.detail}" for r in results if r.ok and r.detail]
+    notes = [f"- not exercised: {r.case} #{r.trial}: {r.detail}" for r in idle]
+    notes += [f"- note: {r.case} #{r.trial}: {r.detail}" for r in results if r.ok and r.exercised and r.detail]
     return "\n".join(["", *rows, "", total, *failures, *notes])
 
 
