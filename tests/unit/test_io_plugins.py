@@ -90,26 +90,25 @@ def test_plain_and_fast_write_the_same_checkpoint(both):
         assert verify_files(ckpt, read_manifest(ckpt)) == []
 
 
+def _no_fast_reader(m: pytest.MonkeyPatch) -> None:
+    m.setattr("fsdpkit.checkpoint.io.VerifyingFileSystemReader",
+              lambda *a, **k: pytest.fail("io=plain read through the fast path"))
+
+
 def test_each_loads_under_the_other_setting_bitwise(both, monkeypatch):
     saved, plain, fast = both
     assert _same(_resume(plain, io_="fast"), saved)
     with monkeypatch.context() as m:
-        m.setattr("fsdpkit.checkpoint.io.VerifyingFileSystemReader",
-                  lambda *a, **k: pytest.fail("io=plain read through the fast path"))
+        _no_fast_reader(m)
         assert _same(_resume(fast, io_="plain"), saved)
         assert _same(_resume(plain, io_="plain"), saved)
 
 
-def test_plain_refuses_a_flipped_tensor_byte_naming_the_file(tmp_path, world_of_one):
+def test_plain_refuses_a_flipped_tensor_byte_naming_the_file(tmp_path, world_of_one, monkeypatch):
+    _no_fast_reader(monkeypatch)
     model, opt = _trained(seed=0)
     ckpt = _save(tmp_path / "plain", model, opt, io_="plain")
-    shard = ckpt / "__0_0.distcp"
-    data = bytearray(shard.read_bytes())
-    weight = model[0].weight.detach().numpy().tobytes()
-    at = data.find(weight)
-    assert at > 0, "the first layer's weight bytes are stored as they are in memory"
-    data[at + len(weight) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
+    _flip_weight_byte(ckpt, model)
     with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp fails its checksum"):
         _resume(ckpt, io_="plain")
 
@@ -126,3 +125,34 @@ def test_the_seam_hands_out_dcp_own_writer_and_reader_for_plain(tmp_path):
     writer, fs = io.hashing_writer(tmp_path, io="plain", thread_count=1)
     assert type(writer) is FileSystemWriter and isinstance(fs, io.DigestFileSystem) and writer.fs is fs
     assert not io.verifies_while_reading(tmp_path, io="plain") and io.verifies_while_reading(tmp_path)
+
+
+def _flip_weight_byte(ckpt: Path, model: nn.Module) -> None:
+    """Flip one bit in the middle of the first layer's weight bytes in the checkpoint's shard."""
+    shard = ckpt / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    weight = model[0].weight.detach().numpy().tobytes()
+    at = data.find(weight)
+    assert at > 0, "the first layer's weight bytes are stored as they are in memory"
+    data[at + len(weight) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+
+
+def test_plain_auto_resume_sets_a_corrupt_newest_aside_and_loads_the_one_before(tmp_path, world_of_one,
+                                                                                 monkeypatch):
+    _no_fast_reader(monkeypatch)
+    model, opt = _trained(seed=0)
+    root = tmp_path / "run"
+    with Checkpointer(root, model=model, optimizer=opt, io="plain") as ckpt:
+        assert ckpt.resume() == 0
+        ckpt.save(1)
+        at_1 = _tensors(model, opt)
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        ckpt.save(2)
+    _flip_weight_byte(root / "step_2", model)
+    model2, opt2 = _trained(seed=99)
+    with Checkpointer(root, model=model2, optimizer=opt2, io="plain") as ckpt:
+        assert ckpt.resume() == 1
+    assert _same(_tensors(model2, opt2), at_1)
+    assert not (root / "step_2").exists() and any("corrupt" in p.name for p in root.iterdir())
