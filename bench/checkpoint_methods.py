@@ -31,6 +31,7 @@ from checkpoint_common import (
     OUR_ASYNC,
     OUR_ASYNC_BG,
     OUR_SYNC,
+    OUR_SYNC_PLAIN,
     RAW_WRITE,
     RAW_WRITE_DIRECT,
     RAW_WRITE_WB,
@@ -62,9 +63,11 @@ def dcp_state(b: Bench) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save_fsdpkit(b: Bench, root: Path, label: int | None = None) -> dict[str, Any]:
+def save_fsdpkit(b: Bench, root: Path, label: int | None = None, *, io: str = "fast") -> dict[str, Any]:
+    """`io`: checkpoint.io (fsdpkit/checkpoint/io.py), `fast` as a Checkpointer has by default."""
     step = b.counter.step if label is None else label
-    return save_checkpoint(b.target, ckpt_dir=root / f"step_{step}", step=step, meta=meta(b), group=b.sync_group)
+    return save_checkpoint(b.target, ckpt_dir=root / f"step_{step}", step=step, meta=meta(b), group=b.sync_group,
+                           io=io)
 
 
 def save_dcp(b: Bench, root: Path) -> None:
@@ -128,7 +131,8 @@ if TUNED.writeback_bytes > 0:
 if direct_io.enabled():
     RAW_WRITES[f"{RAW_WRITE_DIRECT} from {TUNED.direct_write_buffer_bytes >> 20} MiB buffers on {DIRECT_WRITERS} threads "
                "(ceiling)"] = functools.partial(write_raw, direct=True)
-B1_METHODS = {**SYNC_SAVES, **RAW_WRITES}  # B1 times the ceilings in the same rotation as the saves
+B1_METHODS = {**SYNC_SAVES, OUR_SYNC_PLAIN: functools.partial(save_fsdpkit, io="plain"),  # A/B: B1 only
+              **RAW_WRITES}  # B1 times the ceilings in the same rotation as the saves
 
 
 class AsyncMethod:

@@ -14,6 +14,7 @@ from checkpoint_tables import (
     b6_rows,
     b7_rows,
     b8_rows,
+    io_ab_rows,
     load_rows,
     memcpy_ceiling_gbps,
     min_max,
@@ -88,7 +89,7 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     memcpy = memcpy_ceiling_gbps(c)
     cfg = res["config"]
     targets: list[dict[str, Any]] = []
-    b1, b1_notes, b2, b3, loads, b6, b7 = [], [], [], [], [], [], []
+    b1, b1_notes, b2, b3, loads, b6, b7, ioab = [], [], [], [], [], [], [], []
     sizes_desc = []
     for size, per in res["sizes"].items():
         main = per.get("main", {})
@@ -102,6 +103,7 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         if "B3" in main:
             b3_rows(size, main, targets, b3)
         load_rows(size, per, targets, loads)
+        io_ab_rows(size, main, ioab)
         if per.get("whole_resume"):
             b7_rows(size, per["whole_resume"], targets, b7)
     for key, label in (("goodput", "2 ranks (no core free)"), ("goodput_free_core", "1 rank (a core free)")):
@@ -172,6 +174,11 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "| size GiB | ranks | fsdpkit s | fsdpkit + verify s | dcp.load s | raw read of the same bytes s "
                 "(fsdpkit / it) | fsdpkit / 2 ranks | verify / 2 ranks |",
                 "|---|---|---|---|---|---|---|---|", *loads]
+    if ioab:
+        out += ["", "### checkpoint.io A/B: fast (O_DIRECT/page-cache writer, verifying reader) against plain "
+                "(DCP's own writer and reader), same rotation",
+                "| size GiB | phase | fast s (median) | min–max (n) | plain s (median) | min–max (n) | plain / fast |",
+                "|---|---|---|---|---|---|---|", *ioab]
     if b7:
         out += ["", f"### B7 whole resume ({cfg['resume_launches']} fresh torchrun launches per method, alternating, "
                 "pages evicted before each; 2 ranks)",

@@ -15,8 +15,10 @@ from checkpoint_common import (
     OUR_ASYNC,
     OUR_ASYNC_BG,
     OUR_LOAD,
+    OUR_LOAD_PLAIN,
     OUR_LOAD_VERIFY,
     OUR_SYNC,
+    OUR_SYNC_PLAIN,
     PLAIN,
     RAW_READ,
     RAW_WRITE,
@@ -194,6 +196,17 @@ def b3_rows(size: str, main: dict[str, Any], targets: list, lines: list) -> None
     _target(targets, "B3 fsdpkit async (worst of first/reused): what saving adds, peak RSS - RSS of training "
             "alone (MiB)", size, added, f"<= 1.1 S = {1.1 * s_mib:.0f}", added <= 1.1 * s_mib,
             f"{added:.0f} MiB = {added / s_mib:.2f} S (its staging buffer is 1 S)")
+
+
+def io_ab_rows(size: str, main: dict[str, Any], lines: list) -> None:
+    """checkpoint.io fast against plain, each pair timed in the same rotation (B1 saves, B4 loads
+    on 2 ranks without verification): median, min–max (n), plain / fast."""
+    for phase, fast, plain in (("B1 save", OUR_SYNC, OUR_SYNC_PLAIN), ("B4 load", OUR_LOAD, OUR_LOAD_PLAIN)):
+        runs = main.get(phase[:2], {}).get("seconds", {})
+        if fast in runs and plain in runs:
+            f, p = _median(runs[fast]), _median(runs[plain])
+            lines.append(f"| {size} | {phase} | {f:.2f} | {min_max(runs[fast])} | {p:.2f} | {min_max(runs[plain])} | "
+                         f"{p / f:.2f} |")
 
 
 def load_rows(size: str, per: dict[str, Any], targets: list, lines: list) -> None:

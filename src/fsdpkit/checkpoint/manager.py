@@ -190,7 +190,7 @@ class Checkpointer:
         **settings: the `checkpoint.*` settings (every_steps, every_minutes, save_at_end, resume,
             resume_mode, existing, async_save, async_staging, keep_last, keep_every, keep_best, keep_best_metric,
             keep_best_mode, verify_checksums, verify_on_load, timeout_s, exception_timeout_s,
-            thread_count, on_exception, preemption_signals, storage_options, local_dir), plus
+            thread_count, io, on_exception, preemption_signals, storage_options, local_dir), plus
             state_dict_type (sharded|full). They are this instance's alone: `storage_options` open
             its `dir` (and a `resume` URL), `local_dir` is its own mirror.
     Raises:
@@ -241,7 +241,7 @@ class Checkpointer:
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
         self._mirror_of: tuple[CkptPath, CkptPath] | None = None  # (local copy, remote checkpoint) resumed from
-        self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror,
+        self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror, io=c.io,
                                   background_staging=c.async_staging == "background") if c.async_save else None)
 
     @classmethod
@@ -349,7 +349,8 @@ class Checkpointer:
     def _load(self, path: CkptPath, *, verify_files: bool = False) -> LoadReport:
         model_only = self.cfg.resume_mode == "model_only"
         report = load_checkpoint(self.target, path, fingerprint=self.fingerprint(), group=self.group,
-                                 model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files)
+                                 model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files,
+                                 io=self.cfg.io)
         manifest = report.manifest
         what = "model weights only (optimizer, schedule, counters and data start fresh)" if model_only else "full state"
         checked = ("restored state not verified (checkpoint.verify_on_load=false)" if report.verify_s is None
@@ -443,7 +444,7 @@ class Checkpointer:
         else:
             manifest = save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
                                        thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
-                                       on_commit=self._retain, mirror=self.mirror)
+                                       on_commit=self._retain, mirror=self.mirror, io=self.cfg.io)
             stall = time.perf_counter() - t0
             self._report(SaveResult(step=step, path=path, mode="sync", reason=reason, stall_s=stall, manifest=manifest))
         self.last_saved_step = step
@@ -517,7 +518,7 @@ class Checkpointer:
             meta = self._meta(step, None) | {"reason": "exception", "exception": f"{type(error).__name__}: {error}"}
             save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
                             thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
-                            mirror=self.mirror)
+                            mirror=self.mirror, io=self.cfg.io)
             log.error("saved the state at step %d to %s; the original error follows", step, path)
         except Exception as e:  # noqa: BLE001
             log.error("saving on_exception failed (%s); the original error follows", e)

@@ -13,7 +13,6 @@ import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from fsdpkit.checkpoint.dcp_storage import safe_reader
 from fsdpkit.checkpoint.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -21,13 +20,14 @@ from fsdpkit.checkpoint.errors import (
 )
 from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
+from fsdpkit.checkpoint.io import FAST, load_reader, verifies_while_reading
 from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
-from fsdpkit.checkpoint.storage import is_url, open_storage
-from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader, file_problems
+from fsdpkit.checkpoint.storage import open_storage
+from fsdpkit.checkpoint.verified_read import file_problems
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -172,6 +172,7 @@ def load_checkpoint(
     model_only: bool = False,
     verify: bool = True,
     verify_files: bool = False,
+    io: str = FAST,
 ) -> LoadReport:
     """Load `ckpt_dir` into `target` (resharding to the current world size as needed).
 
@@ -179,6 +180,8 @@ def load_checkpoint(
     checksums of what was restored and compares them with the manifest. With `verify_files`,
     checks every file's checksum from the bytes read for loading (see verified_read.py): for a
     checkpoint that `resolve_checkpoint(verify_checksums=False)` found, in one read instead of two.
+    `io` (checkpoint.io, io.py): `fast` reads that way; `plain` (and a URL) checks every file in a
+    pass before the load, then reads with DCP's reader (safe_io.py).
 
     Returns: what was loaded (the manifest), notes about tolerated changes, and timings.
     Raises:
@@ -198,7 +201,7 @@ def load_checkpoint(
         rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
     else:
         rng, tensors = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only,
-                                     files=manifest["files"], check_files=verify_files)
+                                     files=manifest["files"], check_files=verify_files, io=io)
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
     if not model_only:
@@ -253,19 +256,18 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensor
 
 
 def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None,
-                  model_only: bool, files: dict[str, Any], check_files: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+                  model_only: bool, files: dict[str, Any], check_files: bool,
+                  io: str = FAST) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """DCP load (resharding as needed) into the live model/optimizer; returns this rank's RNG
     state and the Stateful pieces' tensors (by `state.<name>.<path>`). `files` is the manifest's
-    list; with `check_files`, every file's checksum is verified from the bytes read
-    (CheckpointCorruptError)."""
+    list; with `check_files`, every file's checksum is verified (CheckpointCorruptError): from the
+    bytes read where the reader can (io.verifies_while_reading), else in a pass before the load."""
     state = target.tensor_state(rank=rank, model_only=model_only)
-    if check_files and is_url(ckpt_dir):
-        # object storage has no verifying reader: stream every file's checksum first (two reads)
+    if check_files and not verifies_while_reading(ckpt_dir, io=io):
+        # io=plain, or object storage: stream every file's checksum first (two reads)
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
         check_files = False
-    local = None if is_url(ckpt_dir) else VerifyingFileSystemReader(
-        ckpt_dir, sizes={n: i["size"] for n, i in files.items()}, hash_files=check_files, group=group)
-    reader = local if local is not None else safe_reader(ckpt_dir)
+    reader = load_reader(ckpt_dir, io=io, files=files, hash_files=check_files, group=group)
     if check_files and METADATA_FILENAME in files:  # small; checked before anything reads it
         _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": {METADATA_FILENAME: files[METADATA_FILENAME]}},
                                                  group=group))
@@ -283,9 +285,9 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
         if check_files:
             _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
         raise
-    if check_files and local is not None:  # (on object storage the files were verified before the load)
+    if check_files:  # a verifying reader (otherwise the files were verified before the load)
         rest = {n: i for n, i in files.items() if n != METADATA_FILENAME}  # checked before it was unpickled
-        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": rest}, local.digests, group=group,
+        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": rest}, reader.digests, group=group,
                                                   verify_rest=lambda d, m: verify_files(d, m, group=group)))
     target.restore_tensors(state)
     tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}

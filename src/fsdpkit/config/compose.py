@@ -333,6 +333,7 @@ def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded
         _positive(f"checkpoint.{key}", getattr(ck, key), allow_zero=True)
     _one_of("checkpoint.keep_best_mode", ck.keep_best_mode, ("min", "max"))
     _one_of("checkpoint.async_staging", ck.async_staging, ("blocking", "background"))
+    _one_of("checkpoint.io", ck.io, ("plain", "fast"))
     if ck.async_staging == "background" and not ck.async_save:
         raise ValueError("checkpoint.async_staging=background stages an async save in the background, and "
                          "checkpoint.async_save is off; set checkpoint.async_save=true, or leave "
