@@ -54,8 +54,8 @@ TUNED = tunables.current()  # this benchmark process's FSDPKIT_* settings, which
 # -- saves -----------------------------------------------------------------------------------
 def meta(b: Bench) -> dict[str, Any]:
     """What Checkpointer._meta adds to the manifest (fingerprint cached, as it caches it)."""
-    return {"run_id": "bench", "fingerprint": b.fingerprint, "optimizer": optimizer_summary(b.optimizer, step=b.counter.step),
-            "metrics": {}}
+    optimizer = optimizer_summary(b.optimizer, step=b.counter.step)
+    return {"run_id": "bench", "fingerprint": b.fingerprint, "optimizer": optimizer, "metrics": {}}
 
 
 def dcp_state(b: Bench) -> dict[str, Any]:
@@ -129,8 +129,8 @@ if TUNED.writeback_bytes > 0:
     RAW_WRITES[f"{RAW_WRITE_WB} {TUNED.writeback_bytes >> 20} MiB (ceiling)"] = functools.partial(
         write_raw, writeback=TUNED.writeback_bytes)
 if direct_io.enabled():
-    RAW_WRITES[f"{RAW_WRITE_DIRECT} from {TUNED.direct_write_buffer_bytes >> 20} MiB buffers on {DIRECT_WRITERS} threads "
-               "(ceiling)"] = functools.partial(write_raw, direct=True)
+    RAW_WRITES[f"{RAW_WRITE_DIRECT} from {TUNED.direct_write_buffer_bytes >> 20} MiB buffers on "
+               f"{DIRECT_WRITERS} threads (ceiling)"] = functools.partial(write_raw, direct=True)
 B1_METHODS = {**SYNC_SAVES, OUR_SYNC_PLAIN: functools.partial(save_fsdpkit, io="plain"),  # A/B: B1 only
               **RAW_WRITES}  # B1 times the ceilings in the same rotation as the saves
 

@@ -177,7 +177,8 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     if ioab:
         out += ["", "### checkpoint.io A/B: fast (O_DIRECT/page-cache writer, verifying reader) against plain "
                 "(DCP's own writer and reader), same rotation",
-                "| size GiB | phase | fast s (median) | min–max (n) | plain s (median) | min–max (n) | plain / fast |",
+                "| size GiB | phase | fast s (median) | min–max (n) | plain s (median) | min–max (n) "
+                "| plain / fast |",
                 "|---|---|---|---|---|---|---|", *ioab]
     if b7:
         out += ["", f"### B7 whole resume ({cfg['resume_launches']} fresh torchrun launches per method, alternating, "

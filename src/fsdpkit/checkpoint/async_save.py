@@ -83,7 +83,8 @@ class AsyncSaver:
         self.mirror = mirror  # the owning Checkpointer's checkpoint.local_dir copy, if any
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
         threads = copy_threads()  # a blocking host copy on this many threads (see staging.py)
-        self._copiers = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdpkit-stage") if threads > 1 else None
+        self._copiers = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdpkit-stage")
+                         if threads > 1 else None)
         self._buffer: dict[str, Any] | None = None
         self._signature: Any = None
         self._pending: tuple[SaveResult, Future] | None = None
@@ -184,7 +185,8 @@ class AsyncSaver:
     def _guard(self, optimizer: torch.optim.Optimizer) -> None:
         """A step pre-hook on `optimizer` (once) that waits for the background copy."""
         if not any(ref() is optimizer for ref, _ in self._hooked):
-            self._hooked.append((weakref.ref(optimizer), optimizer.register_step_pre_hook(lambda *_: self.wait_staged())))
+            hook = optimizer.register_step_pre_hook(lambda *_: self.wait_staged())
+            self._hooked.append((weakref.ref(optimizer), hook))
 
     def collect_if_ok(self) -> SaveResult | None:
         """The finished save's result if it succeeded; None while it runs, or if it failed (a

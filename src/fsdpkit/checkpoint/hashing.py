@@ -327,7 +327,8 @@ def _partial_hash(local: torch.Tensor, first_index: int) -> int:
     step = tunables.current().hash_chunk_elems  # bounds the memory of the products; the sum is the same
     for start in range(0, flat.numel(), step):
         chunk = _bits(flat[start : start + step])
-        idx = torch.arange(first_index + start, first_index + start + chunk.numel(), dtype=torch.int64, device=flat.device)
+        first = first_index + start
+        idx = torch.arange(first, first + chunk.numel(), dtype=torch.int64, device=flat.device)
         total += (chunk * ((idx * 2 + 1) * _GOLDEN)).sum()
     return int(total)
 

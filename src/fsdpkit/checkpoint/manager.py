@@ -12,7 +12,7 @@ exactly this class).
 
 The constructor and resume/step/save/close/on_exception are collective: every rank calls them, at
 the same point (each method's docstring says). Keyword arguments are the `checkpoint.*` settings of
-the trainer (see the README's option table); the defaults are the same.
+the trainer (see the config reference, `fsdpkit config docs`); the defaults are the same.
 
 Everything a Checkpointer uses belongs to it: its settings (`cfg`), its storage options (they travel
 with `root`, see storage.py), its local mirror (`mirror`, see mirror.py), its process groups and
@@ -155,7 +155,8 @@ def _agreed_mirror(remote: CkptPath, mirror: Mirror, *, group: tdist.ProcessGrou
     is one node's, every rank sees the same directory), or None."""
     def decide() -> str | None:
         local, why = mirror.usable(remote)
-        log.info("checkpoint.local_dir: %s %s (%s)", "reading" if local else "not reading", local or "the local copy", why)
+        log.info("checkpoint.local_dir: %s %s (%s)", "reading" if local else "not reading",
+                 local or "the local copy", why)
         return None if local is None else str(local)
 
     chosen = on_main(decide, group=group, errors=(OSError,))
@@ -218,7 +219,8 @@ class Checkpointer:
             stateful[name] = as_stateful(obj, name=name)
         self.target = CheckpointTarget(model=model, optimizer=optimizer, stateful=stateful)
         self.groups = groups if groups is not None else CheckpointGroups.create(self.cfg)
-        if self.cfg.async_save and self.groups.background is None and tdist.is_initialized() and tdist.get_world_size() > 1:
+        several_ranks = tdist.is_initialized() and tdist.get_world_size() > 1
+        if self.cfg.async_save and self.groups.background is None and several_ranks:
             # the save thread would run its collectives on the default group, interleaved with
             # training's own: a hang, not an error
             raise ValueError("checkpoint.async_save needs CheckpointGroups with a background group, and the groups "
@@ -241,8 +243,9 @@ class Checkpointer:
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
         self._mirror_of: tuple[CkptPath, CkptPath] | None = None  # (local copy, remote checkpoint) resumed from
-        self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror, io=c.io,
-                                  background_staging=c.async_staging == "background") if c.async_save else None)
+        self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror,
+                                  io=c.io, background_staging=c.async_staging == "background")
+                       if c.async_save else None)
 
     @classmethod
     def from_config(cls, cfg: CheckpointConfig, **kwargs: Any) -> Checkpointer:

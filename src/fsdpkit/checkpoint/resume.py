@@ -203,7 +203,8 @@ def load_checkpoint(
         rng, tensors = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only,
                                      files=manifest["files"], check_files=verify_files, io=io)
     if rng is None and not model_only:
-        notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); it keeps its fresh seed")
+        notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); "
+                     "it keeps its fresh seed")
     if not model_only:
         _restore_stateful(target, manifest, tensors, ckpt_dir=ckpt_dir)
         if rng is not None:
@@ -322,5 +323,6 @@ def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group
             problems.append(f"optimizer step counts {sorted(opt_steps)} differ from the trainer step {expected}")
     if problems:
         raise CheckpointMismatchError(
-            f"restored state differs from checkpoint {ckpt_dir} ({len(problems)} problem(s)):\n  " + "\n  ".join(problems[:40])
+            f"restored state differs from checkpoint {ckpt_dir} ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems[:40])
         )

@@ -212,7 +212,8 @@ def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.Proce
     checkpoint's files are also written to `mirror`, if given (mirror.py). `io`: the writer
     (checkpoint.io, io.py)."""
 
-    def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # every rank writes its shards through DCP
+    # every rank writes its shards through DCP
+    def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         writer, fs = hashing_writer(into, io=io, thread_count=thread_count, mirror=mirror)
         with zip_crc32_off():
             dcp.save(snapshot.state, storage_writer=writer, process_group=group)
@@ -302,7 +303,8 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
             raise CheckpointSaveError(failure)
         return manifest if manifest is not None else {"step": step, "bytes_per_rank": bytes_per_rank}
     except CheckpointException as e:  # a BaseException: wrap so callers' `except Exception` sees it
-        raise CheckpointSaveError(f"saving {ckpt_dir} failed on at least one rank; the previous checkpoint stays latest: {e}") from e
+        raise CheckpointSaveError(f"saving {ckpt_dir} failed on at least one rank; the previous checkpoint "
+                                  f"stays latest: {e}") from e
     except RuntimeError as e:  # a collective timed out or lost a peer
         raise CheckpointSaveError(
             f"saving {ckpt_dir} failed: a rank died or stalled ({str(e).splitlines()[0]}); "

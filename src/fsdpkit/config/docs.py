@@ -1,5 +1,5 @@
 """Field documentation read straight from the schema's source (the docstring under each
-field), so `fsdpkit config docs` and the README can never drift from the code."""
+field), so `fsdpkit config docs` and the docs' config reference can never drift from the code."""
 
 from __future__ import annotations
 

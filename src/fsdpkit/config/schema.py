@@ -1,5 +1,5 @@
 """The typed configuration schema. Every field carries a docstring right under it; `fsdpkit
-config docs` prints them and the README's option tables are generated from them.
+config docs` prints them and the docs' config reference is generated from them.
 
 YAML files under `conf/` layer values on top of these defaults (see compose.py); anything a
 YAML file or an override sets that is not declared here is rejected when the config is
@@ -132,8 +132,8 @@ class ModelConfig:
     """`hf:<dir>`: start from the weights of a Hugging Face safetensors folder (model.safetensors
     or shards with an index) instead of a random init; each rank reads only the slices it owns,
     converted to the parameter dtype. The folder may be an fsspec URL (`hf:s3://bucket/model`;
-    ranged GETs of each rank's rows, credentials as for checkpoint.dir). Keys and shapes must match the model. Ignored when the run
-    resumes from a checkpoint. Empty: random init from seed."""
+    ranged GETs of each rank's rows, credentials as for checkpoint.dir). Keys and shapes must match the
+    model. Ignored when the run resumes from a checkpoint. Empty: random init from seed."""
     resize_to_tokenizer: bool = False
     """data.kind=hf: when data.tokenizer has more tokens than the model's vocabulary, grow the
     embedding and lm_head to the tokenizer's size instead of refusing to start. New rows get the
@@ -279,18 +279,19 @@ class CheckpointConfig:
     dir: str = "${run_dir}/checkpoints"
     """Root of this run's checkpoints: step_<N>/ directories and the `latest` pointer. A local path,
     or an object-storage URL (s3://bucket/prefix; needs the `remote` extra): the same commit rule
-    holds there, see the README's "Object storage" section."""
+    holds there, see docs/how-to/object-storage.md."""
     storage_options: dict[str, Any] = field(default_factory=dict)
     """fsspec options for URL checkpoint paths (dir, resume; and a URL export.dir that export.on_finish
-    uploads to), e.g. {endpoint_url: http://host:9000} for an S3-compatible store, or {profile: name}. Credentials come from the environment (AWS_*,
-    AWS_ENDPOINT_URL, profiles), never from a checkpoint: credential options (key, secret, token, ...)
-    are refused here, since the resolved config is saved with every checkpoint."""
+    uploads to), e.g. {endpoint_url: http://host:9000} for an S3-compatible store, or {profile: name}.
+    Credentials come from the environment (AWS_*, AWS_ENDPOINT_URL, profiles), never from a checkpoint:
+    credential options (key, secret, token, ...) are refused here, since the resolved config is saved
+    with every checkpoint."""
     local_dir: str = ""
     """With a URL checkpoint.dir: a node-local directory that keeps a copy of every checkpoint this
     node writes, for the fastest restart on the same node. The bucket stays the source of truth (a
     checkpoint is committed when its remote manifest exists); a restart reads the local copy when
     its manifest equals the remote one byte for byte and every file is there, else the bucket. One
-    node and one run per directory; '' (default): no copy. See the README's "Object storage"."""
+    node and one run per directory; '' (default): no copy. See docs/how-to/object-storage.md."""
     every_steps: int = 0
     """Save every this many optimizer steps (0: not by step count)."""
     every_minutes: float = 0.0
@@ -403,7 +404,7 @@ class ExportConfig:
     """Where the export goes. An earlier fsdpkit export there is replaced; anything else (or a
     path that is, contains or lies in the checkpoints, or is the run directory) is refused. May be
     a URL (s3://bucket/out): exported to a local temporary directory, then uploaded with the index
-    and config.json last (see the README's "Object storage")."""
+    and config.json last (see docs/how-to/object-storage.md)."""
     dtype: str = "bf16"
     """`bf16`, `fp16` or `fp32`: the dtype of the exported floating tensors (training keeps fp32)."""
     format: str = "hf"
