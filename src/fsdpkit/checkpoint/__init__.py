@@ -8,6 +8,20 @@ What a checkpoint is on disk (every file, every manifest field, what each checks
 it is computed, the format versions) is written down in docs/checkpoint-format.md, the normative
 description; manifest.py, hashing.py and save.py implement it, and tests/unit/test_known_answers.py
 and tests/multirank/test_format_fixture.py hold them to it.
+
+Reading order for a newcomer. The core, first:
+  manager.py      the Checkpointer: cadence, retention, preemption, on_exception, resume
+  save.py         one save: DCP write, the gathered file list, the manifest commit
+  resume.py       resolution (which checkpoint), the load, and the checks after it
+  manifest.py     manifest.json (with manifest_schema.py, its shape) and layout.py, the commit primitives
+  state.py        what a checkpoint holds, gathered from and restored into the run
+  hashing.py      file and tensor checksums (row hash: _rowhash.c)
+  io.py           the I/O seam: `checkpoint.io` chooses DCP's own writer and reader (plain) or the fast paths
+Then, as needed: ownership.py and object_lock.py (one run per directory), retention.py, preemption.py,
+async_save.py and staging.py (background saves), full.py (`state_dict_type: full`), safe_io.py and
+torch_save.py (loading without running a checkpoint's code), storage.py, safe_fsspec.py, multipart.py
+and mirror.py (object storage). The fast paths behind io.py: direct_io.py (O_DIRECT), page_cache.py,
+writeback.py, verified_read.py (one hashed read per file).
 """
 
 from __future__ import annotations
