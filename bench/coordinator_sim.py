@@ -34,7 +34,13 @@ import torch.distributed as tdist
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from coordinator_plans import load_plan_for_rank, rank0_state, remember_sizes, save_plan_for_rank, write_results
+from coordinator_plans import (
+    load_plan_for_rank,
+    rank0_state,
+    remember_sizes,
+    save_plan_for_rank,
+    write_results,
+)
 from coordinator_probe import peak_rss_mb, reset_peak_rss
 from coordinator_state import LAYERS, Llama70BShape, manifest_meta
 from fsdpkit.checkpoint import save as fsave

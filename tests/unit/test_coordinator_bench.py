@@ -25,7 +25,6 @@ def _fake_group(rank: int, world: int) -> None:
 def _real_plans() -> tuple[list, list]:
     """(every rank's local SavePlan, every rank's state dict) from FSDP2 under the fake group."""
     from coordinator_state import build
-
     from fsdpkit.checkpoint.state import CheckpointTarget
 
     plans, states = [], []
@@ -49,7 +48,12 @@ def real():
 
 
 def test_synthetic_plans_equal_dcp_plans_of_real_shards(real):
-    from coordinator_plans import load_plan_for_rank, rank0_state, remember_sizes, save_plan_for_rank
+    from coordinator_plans import (
+        load_plan_for_rank,
+        rank0_state,
+        remember_sizes,
+        save_plan_for_rank,
+    )
 
     plans, states = real
     _fake_group(0, WORLD)
@@ -78,7 +82,6 @@ def test_synthetic_plans_equal_dcp_plans_of_real_shards(real):
         _fake_group(r, WORLD)
         try:
             from coordinator_state import build
-
             from fsdpkit.checkpoint.state import CheckpointTarget
 
             model, opt = build(layers=LAYERS)
