@@ -88,8 +88,10 @@ def save_plan_for_rank(plan0: SavePlan, *, rank: int, world: int) -> SavePlan:
             items.append(dataclasses.replace(item, index=dataclasses.replace(item.index, fqn=_rank_key(fqn, rank))))
         else:
             items.append(item)
-    mappings = {_rank_key(k, rank): (tuple(f"rank{rank}" if p == "rank0" else p for p in v) if k.startswith(RNG0) else v)
-                for k, v in plan0.planner_data.items()}
+    def renamed(key: str, path: Any) -> Any:
+        return tuple(f"rank{rank}" if p == "rank0" else p for p in path) if key.startswith(RNG0) else path
+
+    mappings = {_rank_key(k, rank): renamed(k, v) for k, v in plan0.planner_data.items()}
     return dataclasses.replace(plan0, items=items, planner_data=mappings)
 
 
@@ -120,8 +122,8 @@ _chunk_index: dict[str, dict[torch.Size, int]] = {}
 
 
 def remember_sizes(metadata: Any) -> None:
-    """Call before load_plan_for_rank. Note every sharded tensor's global size and where each chunk sits in the metadata (the
-    `index` DCP's read items carry)."""
+    """Call before load_plan_for_rank. Note every sharded tensor's global size and where each chunk
+    sits in the metadata (the `index` DCP's read items carry)."""
     _global_sizes.clear()
     _chunk_index.clear()
     for fqn, md in metadata.state_dict_metadata.items():

@@ -50,7 +50,8 @@ def real_table(runs: list[dict[str, Any]]) -> list[str]:
     for r in runs:
         f, d = r["fsdpkit"], r["dcp"]
         lines.append(
-            f"| {r['world']} | {f['save_first']['coord_s']:.3f} | {f['save']['coord_s']:.3f} | {f['save']['coord_cpu_s']:.3f} | "
+            f"| {r['world']} | {f['save_first']['coord_s']:.3f} | {f['save']['coord_s']:.3f} | "
+            f"{f['save']['coord_cpu_s']:.3f} | "
             f"{f['resume']['coord_s'] - f['resume'].get('verify_s', 0):.3f} | {d['save_first']['coord_s']:.3f} | "
             f"{d['save']['coord_s']:.3f} | {d['save']['coord_cpu_s']:.3f} | {d['resume']['coord_s']:.3f} | "
             f"{_kib(f['save_bytes']['gathered_total'])} / {_kib(d['save_bytes']['gathered_total'])} | "
@@ -66,9 +67,11 @@ def sim_table(runs: list[dict[str, Any]]) -> list[str]:
              "|" + "---|" * 12]
     for r in runs:
         f, d = r["fsdpkit"], r["dcp"]
-        gathered = {m: sum(v for k, v in r[m]["save"]["bytes"].items() if k.startswith("gather")) for m in ("fsdpkit", "dcp")}
+        gathered = {m: sum(v for k, v in r[m]["save"]["bytes"].items() if k.startswith("gather"))
+                    for m in ("fsdpkit", "dcp")}
         lines.append(
-            f"| {r['world']:,} | {f['save_first']['wall_s']:.3f} | {f['save']['wall_s']:.3f} | {f['save']['cpu_s']:.3f} | "
+            f"| {r['world']:,} | {f['save_first']['wall_s']:.3f} | {f['save']['wall_s']:.3f} | "
+            f"{f['save']['cpu_s']:.3f} | "
             f"{f['resume']['wall_s']:.3f} | {d['save']['wall_s']:.3f} | {d['save']['cpu_s']:.3f} | "
             f"{d['resume']['wall_s']:.3f} | {_kib(gathered['fsdpkit'])} / {_kib(gathered['dcp'])} | "
             f"{_kib(d['metadata_bytes'])} | {_kib(f['manifest_bytes'])} | "
@@ -99,7 +102,8 @@ def targets(sim: list[dict[str, Any]]) -> tuple[list[str], dict[str, Any]]:
     ok_save, ok_load = save_ratio <= SAVE_RATIO, load_ratio <= LOAD_RATIO
     ok_exp = exponent is not None and exponent <= MAX_EXPONENT + 0.1
     mark = {True: "met", False: "**NOT met**"}
-    at = f"{top['world']:,} simulated ranks" + ("" if top["world"] == 4096 else " (the issue names 4,096; this run stopped here)")
+    stopped = "" if top["world"] == 4096 else " (the issue names 4,096; this run stopped here)"
+    at = f"{top['world']:,} simulated ranks" + stopped
     lines = [
         f"- per-save coordinator time after the first, fsdpkit / uncached dcp.save at {at}: {save_ratio:.2f}x "
         f"(target <= {SAVE_RATIO}x): {mark[ok_save]}",
