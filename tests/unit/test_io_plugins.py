@@ -97,7 +97,13 @@ def _no_fast_reader(m: pytest.MonkeyPatch) -> None:
 
 def test_each_loads_under_the_other_setting_bitwise(both, monkeypatch):
     saved, plain, fast = both
+    from fsdpkit.checkpoint import safe_io
+
+    real, parsed = safe_io.unpickle_dcp_metadata, []
+    monkeypatch.setattr(safe_io, "unpickle_dcp_metadata", lambda *a, **k: parsed.append(1) or real(*a, **k))
     assert _same(_resume(plain, io_="fast"), saved)
+    # fsdpkit reads .metadata before dcp.load, and dcp.load again: one parse per load on a rank
+    assert len(parsed) == 1
     with monkeypatch.context() as m:
         _no_fast_reader(m)
         assert _same(_resume(fast, io_="plain"), saved)

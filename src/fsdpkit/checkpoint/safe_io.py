@@ -238,18 +238,26 @@ def read_dcp_metadata(path: str | os.PathLike) -> Metadata:
 class SafeMetadataReading:
     """Mixin for a DCP FileSystemReader (local or fsspec) that reads `.metadata` with
     `SafeUnpickler` instead of `pickle.load`. Mirrors `FileSystemReader.read_metadata` exactly,
-    except for the unpickling; `self.fs` decides where the bytes come from."""
+    except for the unpickling; `self.fs` decides where the bytes come from.
+
+    A reader parses its file once: fsdpkit reads the metadata before `dcp.load` (to check what the
+    checkpoint holds), and `dcp.load` reads it again on every rank; the second read is the first's
+    object (keyed by file and load id, so a `reset` to another checkpoint reads that one)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         path = self._get_metadata_path(rank)
+        parsed = self.__dict__.setdefault("_parsed_metadata", {})
+        key = (str(path), self.load_id)
+        if key in parsed:
+            return parsed[key]
         with self.fs.create_stream(path, "rb") as metadata_file:
             metadata = unpickle_dcp_metadata(metadata_file, source=path)
 
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
-
+        parsed[key] = metadata
         return metadata
 
 
