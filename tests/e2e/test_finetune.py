@@ -1,7 +1,7 @@
 """Fine-tuning through the CLI: `fsdpkit resume-check` with LoRA on a transformers Llama, on data=hf
-packed documents and on chat SFT (initialised from a Hugging Face folder), each at the same world
-size (bitwise) and 2 -> 3 ranks in one check; then the LoRA
-checkpoint's optimizer slices and its adapter / merged exports, loaded back with peft."""
+packed documents (at the same world size, bitwise) and on chat SFT (initialised from a Hugging Face
+folder; at the same world size, bitwise, and 2 -> 3 ranks in one check); then the LoRA checkpoint's
+optimizer slices and its adapter / merged exports, loaded back with peft."""
 
 from __future__ import annotations
 
@@ -63,14 +63,17 @@ def assert_resumed_at_step_3(work: Path, out: str) -> None:
         assert [(r["step"], r["saved_world_size"]) for r in resumed if r.get("event") == "resume"] == [(3, 2)]
 
 
-# LoRA adapters on packed documents. Elastically, full fine-tuning on this small-vocabulary text
-# differs by ~1e-6 in the gradient norm (the embedding gradient sums many rows of a few frequent
-# tokens in another order at 3 ranks; the loss of the first resumed step is bit-identical), just at
-# the fp32 tolerance; the data path (packing, cursor) is the same whatever is trained.
+# LoRA adapters on packed documents, resumed on 2 ranks only (bitwise). The elastic 2 -> 3 resume is
+# proven once, on chat SFT below: what changes with the world size is the same for both data paths
+# (the GlobalSampler's split of each global batch, tests/unit/test_data.py, and the loss normaliser
+# over the global batch's trained tokens, which chat's masked targets exercise harder); both datasets
+# are plain functions of the sample index on every rank. Saves a 3-rank launch (~50 CPU-s measured).
 def test_resume_check_on_packed_documents(tmp_path, data_args):
-    out = _resume_check(tmp_path, "2,3", *data_args, *LORA, f"data.files=[{EXAMPLE_DATA / 'text.jsonl'}]",
+    out = _resume_check(tmp_path, 2, *data_args, *LORA, f"data.files=[{EXAMPLE_DATA / 'text.jsonl'}]",
                         "deterministic=true")
-    assert_resumed_at_step_3(tmp_path, out)
+    assert "PASS: worst relative difference 0.000e+00, tolerance 0e+00" in out
+    resumed = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
+    assert [(r["step"], r["saved_world_size"]) for r in resumed if r.get("event") == "resume"] == [(3, 2)]
 
 
 @pytest.fixture(scope="module")

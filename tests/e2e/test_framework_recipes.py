@@ -23,11 +23,11 @@ pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")
 def _run_then_resume_on_3(script: Path, tmp_path: Path) -> tuple[dict, dict]:
     """4 steps on 2 ranks saving every 2 (into a/), then steps 3-4 on 3 ranks resumed from a/step_2
     (into b/); the records each run wrote. Losses after the resume match within 1e-6."""
-    common = ["--steps", "4", "--save-every", "2"]
+    common = ["--steps", "4", "--save-every", "2"]  # under torch.distributed.run, as the examples say to run them
     torchrun(2, script, "--ckpt-dir", str(tmp_path / "a"), "--hf-config", str(tmp_path / "hf"),
-             "--out", str(tmp_path / "a.json"), *common)
+             "--out", str(tmp_path / "a.json"), *common, elastic=True)
     torchrun(3, script, "--ckpt-dir", str(tmp_path / "b"), "--resume", str(tmp_path / "a" / "step_2"),
-             "--out", str(tmp_path / "b.json"), *common)
+             "--out", str(tmp_path / "b.json"), *common, elastic=True)
     first, second = (json.loads((tmp_path / f"{run}.json").read_text()) for run in ("a", "b"))
     assert sorted(map(int, second["losses"])) == [3, 4]
     for step, loss in second["losses"].items():

@@ -85,7 +85,7 @@ def test_sharding_really_happens_on_4_ranks(training_results):
 
 
 def test_compile_matches_eager(training_results):
-    res = training_results[2]
+    res = training_results[1]  # one rank: see train_worker.py
     assert max_rel(res["compile"]["loss"], res["compile_ref"]["loss"]) < COMPILE_RTOL
 
 

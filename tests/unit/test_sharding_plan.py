@@ -3,6 +3,7 @@ shapes and the world-size-invariant init at any world size."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -48,11 +49,42 @@ def check_local_shards(ws: int, rank: int) -> None:
     assert torch.equal(model.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq)
 
 
-@pytest.mark.parametrize(("ws", "rank"), [(3, 0), (3, 2), (8, 7), (5, 1)])
-def test_local_shards_hold_their_rows_of_the_reference_init(ws, rank):
-    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import test_sharding_plan as t; t.check_local_shards({ws}, {rank})"
+SHARD_CASES = [(3, 0), (3, 2), (8, 7), (5, 1)]
+# One fresh interpreter imports torch and fsdpkit once (~5 CPU-s), then forks a child per case: each
+# child starts from a never-initialised process group, as a fresh interpreter would.
+_FORK_EACH_CASE = """
+import json, os, sys, traceback
+sys.path.insert(0, {here!r})
+import test_sharding_plan as t
+codes = {{}}
+for ws, rank in t.SHARD_CASES:
+    pid = os.fork()
+    if pid == 0:
+        try:
+            t.check_local_shards(ws, rank)
+        except BaseException:
+            print(f"--- (ws, rank) = ({{ws}}, {{rank}})", file=sys.stderr)
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        os._exit(0)
+    codes[f"{{ws}},{{rank}}"] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+print(json.dumps(codes))
+"""
+
+
+@pytest.fixture(scope="module")
+def local_shard_checks() -> tuple[dict[str, int], str]:
+    code = _FORK_EACH_CASE.format(here=str(Path(__file__).parent))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.parametrize(("ws", "rank"), SHARD_CASES)
+def test_local_shards_hold_their_rows_of_the_reference_init(local_shard_checks, ws, rank):
+    codes, stderr = local_shard_checks
+    assert codes[f"{ws},{rank}"] == 0, stderr[-3000:]
 
 
 @pytest.mark.parametrize("fake_world", [(4, 0)], indirect=True)
