@@ -30,10 +30,12 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600, env: di
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if not elastic:
         return _launch_ranks(nproc, [sys.executable, str(script), *args], env=full_env, timeout=timeout)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+           str(script), *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
     if proc.returncode != 0:
-        pytest.fail(f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+        pytest.fail(f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n"
+                    f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 
@@ -74,8 +76,12 @@ def _launch_ranks(nproc: int, cmd: list[str], *, env: dict, timeout: float) -> s
         return subprocess.CompletedProcess(cmd, 0, stdout="".join(outputs), stderr="")
     why = "another rank failed" if any(c not in (None, 0) for c in codes) else f"timeout after {timeout:g} s"
     status = {None: f"killed by the launcher ({why})", 0: "exit code 0"}
-    report = "\n".join(f"--- rank {r}: {status.get(c) or (f'killed by {signal.Signals(-c).name}' if c < 0 else f'exit code {c}')}"
-                        f"\n{out[-6000:]}" for r, (c, out) in enumerate(zip(codes, outputs, strict=True)))
+
+    def describe(c: int | None) -> str:
+        return status.get(c) or (f"killed by {signal.Signals(-c).name}" if c < 0 else f"exit code {c}")
+
+    report = "\n".join(f"--- rank {r}: {describe(c)}\n{out[-6000:]}"
+                        for r, (c, out) in enumerate(zip(codes, outputs, strict=True)))
     pytest.fail(f"{' '.join(cmd[1:])} on {nproc} ranks failed:\n{report}")
 
 

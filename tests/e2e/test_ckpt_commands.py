@@ -52,8 +52,8 @@ def test_help_texts_describe_the_subcommands(capsys):
     with pytest.raises(SystemExit):
         main(["ckpt", "export", "--help"])
     text = capsys.readouterr().out
-    for option in ("--dtype {bf16,fp16,fp32}", "--max-shard-size", "--format {hf,single}", "--strip-prefix", "--add-prefix",
-                   "model.safetensors.index.json", "_checkpoint_wrapped_module."):
+    for option in ("--dtype {bf16,fp16,fp32}", "--max-shard-size", "--format {hf,single}", "--strip-prefix",
+                   "--add-prefix", "model.safetensors.index.json", "_checkpoint_wrapped_module."):
         assert option in text, option
     with pytest.raises(SystemExit):
         main(["ckpt", "--help"])
@@ -65,7 +65,8 @@ def test_inspect_shows_the_run_and_its_tensors(run_dir, capsys):
     code, out, _ = cli(capsys, "inspect", str(run_dir / "checkpoints"))
     assert code == 0
     for text in ("kind        fsdpkit", "step        2", "world size  2", "mesh        shape [2] dims ['shard']",
-                 "data cursor epoch=0, position=32", "checksums   recorded for 3 files (xxh3_64) and 84 tensors (xxh3_64-rows)",
+                 "data cursor epoch=0, position=32",
+                 "checksums   recorded for 3 files (xxh3_64) and 84 tensors (xxh3_64-rows)",
                  "AdamW step 2", "exp_avg     21 tensors", "bytes per rank  rank 0:",
                  "model.model.embed_tokens.weight", "dim 0: 2 x 256 rows", "26 pickled items (listed, never loaded)"):
         assert text in out, text
@@ -130,7 +131,8 @@ def test_inspect_export_and_diff_refuse_crafted_metadata_without_running_it(dama
     manifest["files"][".metadata"] = {"size": size, "xxh3_64": digest}
     manifest[SEAL] = manifest_digest(manifest)
     (damaged / "manifest.json").write_text(json.dumps(manifest))
-    for args in (["inspect", str(damaged)], ["export", str(damaged), str(tmp_path / "out")], ["diff", str(damaged), str(damaged)]):
+    for args in (["inspect", str(damaged)], ["export", str(damaged), str(tmp_path / "out")],
+                 ["diff", str(damaged), str(damaged)]):
         code, _, err = cli(capsys, *args)
         assert code == 2 and "posix.system" in err and "refusing to unpickle it (nothing was executed)" in err, args
     code, out, _ = cli(capsys, "verify", str(damaged))
@@ -140,7 +142,8 @@ def test_inspect_export_and_diff_refuse_crafted_metadata_without_running_it(dama
 
 def test_diff_against_exports(run_dir, tmp_path, capsys):
     assert cli(capsys, "export", str(run_dir), str(tmp_path / "fp32"))[0] == 0
-    assert cli(capsys, "export", str(run_dir), str(tmp_path / "bf16.safetensors"), "--format", "single", "--dtype", "bf16")[0] == 0
+    bf16_export = ("export", str(run_dir), str(tmp_path / "bf16.safetensors"), "--format", "single", "--dtype", "bf16")
+    assert cli(capsys, *bf16_export)[0] == 0
     code, out, _ = cli(capsys, "diff", str(run_dir), str(tmp_path / "fp32"))
     assert code == 0 and "21 tensors compared: 21 equal, 0 differ" in out and out.rstrip().endswith("identical")
     code, out, _ = cli(capsys, "diff", str(run_dir), str(tmp_path / "bf16.safetensors"), "--json")
@@ -182,7 +185,8 @@ def test_export_never_overwrites_the_checkpoint_or_the_run(run_copy, tmp_path, c
         for source in (run_copy, ckpts, ckpts / "step_2"):
             code, _, err = cli(capsys, "export", str(source), str(out), "--overwrite")
             assert code == 2 and f"refusing to export to {out}: it {relation}" in err, (source, out, err)
-    code, _, err = cli(capsys, "export", str(run_copy), str(run_copy / "metrics.jsonl"), "--format", "single", "--overwrite")
+    code, _, err = cli(capsys, "export", str(run_copy), str(run_copy / "metrics.jsonl"),
+                       "--format", "single", "--overwrite")
     assert code == 2 and "refusing to replace" in err and "is not a safetensors file" in err
     assert _listing(run_copy) == before and not list(tmp_path.glob(".*tmp-*"))
 
@@ -200,7 +204,8 @@ def test_export_on_finish_deletes_nothing_it_did_not_write(run_copy):
     from fsdpkit.train.run import export_final
 
     before = _listing(run_copy)
-    for export_dir, relation in ((run_copy, "is the run directory"), (run_copy / "checkpoints", "is its checkpoints root")):
+    for export_dir, relation in ((run_copy, "is the run directory"),
+                                 (run_copy / "checkpoints", "is its checkpoints root")):
         cfg = compose_config(["experiment=demo", f"run_dir={run_copy}", f"export.dir={export_dir}"])
         with pytest.raises(ValueError, match=f"it {relation}"):
             export_final(cfg)
@@ -214,7 +219,8 @@ def test_export_on_finish_deletes_nothing_it_did_not_write(run_copy):
     cfg = compose_config(["experiment=demo", f"run_dir={run_copy}"])  # the default export.dir: <run_dir>/export
     export_final(cfg)
     export_final(cfg)  # replaces its own earlier export
-    assert sorted(p.name for p in (run_copy / "export").iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    exported = sorted(p.name for p in (run_copy / "export").iterdir())
+    assert exported == ["config.json", "generation_config.json", "model.safetensors"]
 
 
 def test_verify_names_an_uncommitted_checkpoint_and_a_junk_latest(run_copy, capsys):
@@ -225,7 +231,8 @@ def test_verify_names_an_uncommitted_checkpoint_and_a_junk_latest(run_copy, caps
     assert code == 1 and f"BAD: NOT COMMITTED: {ckpts / 'step_4'} has no manifest.json" in out and "OK" not in out
     code, _, err = cli(capsys, "export", str(ckpts / "step_4"), str(run_copy / "out"))
     assert code == 2 and "NOT COMMITTED" in err
-    for junk, what in ((b"\xff\xd8\xff\xe0binary", "is not text"), (b"", "is empty"), (b"step_99\n", "names step_99, which does not exist")):
+    for junk, what in ((b"\xff\xd8\xff\xe0binary", "is not text"), (b"", "is empty"),
+                       (b"step_99\n", "names step_99, which does not exist")):
         (ckpts / "latest").write_bytes(junk)
         code, out, _ = cli(capsys, "verify", str(run_copy))
         assert code == 1 and f"BAD: {ckpts / 'latest'} {what}" in out and "FAILED: 1 problem(s) in latest" in out
@@ -245,4 +252,6 @@ def test_a_closed_stdout_pipe_ends_quietly(run_dir, args):
     finally:
         os.close(write_end)
     assert proc.returncode == 141, proc.stderr[-2000:]  # 128 + SIGPIPE, as a shell reports `head`'s writer
-    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr and "Exception ignored" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "BrokenPipeError" not in proc.stderr
+    assert "Exception ignored" not in proc.stderr

@@ -102,8 +102,10 @@ def test_lora_checkpoint_holds_every_ranks_optimizer_slice(lora_runs):
         for key in lora_state:
             chunks = opened.source.chunks(key)
             rows = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks)
-            assert len(chunks) == 2 and rows[0][0] == 0 and rows[0][1] == rows[1][0] and rows[1][1] == tensors[key].shape[0]
-            assert float(opened.source.read_rows(key, 0, tensors[key].shape[0]).abs().sum()) > 0  # trained state, not zeros
+            num_rows = tensors[key].shape[0]
+            assert len(chunks) == 2
+            assert rows[0][0] == 0 and rows[0][1] == rows[1][0] and rows[1][1] == num_rows
+            assert float(opened.source.read_rows(key, 0, num_rows).abs().sum()) > 0  # trained state, not zeros
 
 
 def _trained_model(ckpt: Path) -> torch.nn.Module:
@@ -126,7 +128,8 @@ def test_adapter_export_loads_in_peft_and_merge_equals_the_merged_model(lora_run
         proc = fsdpkit("ckpt", "export", str(ckpt), str(tmp_path / flag.strip("-")), flag)
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert {p.name for p in (tmp_path / "adapter").iterdir()} == {"adapter_model.safetensors", "adapter_config.json"}
-    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == str(base_model)
+    adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == str(base_model)
     x = torch.randint(0, 400, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         trained = _trained_model(ckpt)(x).logits

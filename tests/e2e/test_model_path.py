@@ -24,7 +24,8 @@ def test_one_flag_from_a_folder_to_a_trained_run(tmp_path, hf_tokenizer_dir):
     run = tmp_path / "run"
     proc = fsdpkit("train", "--nproc", "2", "model=hf", f"model.path={folder}", "+model.hf_config.rms_norm_eps=1e-5",
                    "data=hf", f"data.files={EXAMPLE_DATA / 'chat.jsonl'}", "data.messages_field=messages",
-                   "data.packing=false", "data.overlong=drop", "data.seq_len=32", f"data.cache_dir={tmp_path / 'cache'}",
+                   "data.packing=false", "data.overlong=drop", "data.seq_len=32",
+                   f"data.cache_dir={tmp_path / 'cache'}",
                    "train.max_steps=3", "train.global_batch_size=4", "train.micro_batch_size=2", "train.progress=false",
                    f"run_dir={run}")
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -38,7 +38,8 @@ def test_two_launchers_hsdp_2x2_match_the_reference(tmp_path):
 
     # The two launchers formed one world of 4 with a (replicate=2, shard=2) mesh.
     logs = "".join(n.stderr() for n in nodes)
-    assert "world size 4" in logs and "mesh (2, 2) ('replicate', 'shard'), placements Replicate(), Shard(dim=0): HYBRID_SHARD" in logs
+    assert "world size 4" in logs
+    assert "mesh (2, 2) ('replicate', 'shard'), placements Replicate(), Shard(dim=0): HYBRID_SHARD" in logs
     manifest = json.loads((hsdp / "checkpoints" / "step_10" / "manifest.json").read_text())
     assert manifest["world_size"] == 4 and manifest["mesh"] == {"shape": [2, 2], "dim_names": ["replicate", "shard"]}
 

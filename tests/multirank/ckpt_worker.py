@@ -2,7 +2,8 @@
 
 Phases (run in this order by the tests, sharing WORK_DIR):
   ws2: exact same-world-size resume (fp32 and bf16, two resumes, mid-warmup, with accumulation),
-       model-only loading, fingerprint mismatches (shapes, tying, vocabulary); saves the 2-rank checkpoint for elastic loads
+       model-only loading, fingerprint mismatches (shapes, tying, vocabulary); saves the 2-rank checkpoint
+       for elastic loads
   ws4: loads the 2-rank checkpoint (2->4); saves a 4-rank checkpoint
   ws2b: loads the 4-rank checkpoint (4->2)
   ws3: loads the 4-rank (4->3) and 2-rank (2->3) checkpoints
@@ -123,7 +124,8 @@ def phase_ws2(work: Path) -> dict:
     res["model_only"] = session(work / "model_only", ["checkpoint.resume_mode=model_only"], stop_at=2,
                                 resume=str(src / "checkpoints" / "step_6"))
     # a tie change keeps every tensor name and shape: only the manifest's tied_embeddings tells
-    for key, override in (("mismatch_error", "model.hidden_size=64"), ("tie_mismatch_error", "model.tie_word_embeddings=true"),
+    for key, override in (("mismatch_error", "model.hidden_size=64"),
+                          ("tie_mismatch_error", "model.tie_word_embeddings=true"),
                           ("vocab_mismatch_error", "model.vocab_size=1000")):
         try:
             session(work / key, [override], stop_at=1, resume=str(src / "checkpoints" / "step_6"))

@@ -55,7 +55,8 @@ def trained_model(cfg, ckpt: Path):
 
 def one(arch: str, folder: Path, runs: Path) -> dict:
     lora = arch.endswith("+lora")
-    extra = LORA + [f"model.peft.target_modules={'[c_attn]' if arch.startswith('gpt2') else '[q_proj,v_proj]'}"] if lora else []
+    target_modules = "[c_attn]" if arch.startswith("gpt2") else "[q_proj,v_proj]"
+    extra = LORA + [f"model.peft.target_modules={target_modules}"] if lora else []
     args = BASE + extra + [f"model.path={folder}"]
     out: dict = {}
     full = compose_config(args + [f"run_dir={runs / arch / 'full'}"])

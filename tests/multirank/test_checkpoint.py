@@ -69,7 +69,8 @@ def test_ranks_sharing_a_host_stream_each_saved_file_once_when_the_world_size_gr
     read_whole = res["2to3_read_whole"]
     assert files and sorted(f for rank in read_whole for f in rank) == files  # each file once, by one rank
     assert read_whole[1] == []
-    assert read_whole[0] and all(f.startswith("__0_") for f in read_whole[0])  # saved by rank 0: two thirds are rank 0's
+    # saved by rank 0: two thirds are rank 0's
+    assert read_whole[0] and all(f.startswith("__0_") for f in read_whole[0])
     assert read_whole[2] and all(f.startswith("__1_") for f in read_whole[2])
 
 
@@ -141,7 +142,8 @@ def test_tie_and_vocabulary_changes_fail_before_touching_state(ckpt):
     err = res["tie_mismatch_error"]
     assert err is not None and "nothing was loaded" in err
     assert ("the checkpoint's input embedding and lm_head are untied (two matrices), the model's tied (one matrix): "
-            "set model.hf_config.tie_word_embeddings=false (model.tie_word_embeddings=false for model.kind=llama)") in err
+            "set model.hf_config.tie_word_embeddings=false "
+            "(model.tie_word_embeddings=false for model.kind=llama)") in err
     err = res["vocab_mismatch_error"]
     assert err is not None and "checkpoint vocab_size 1001, model 1000: set model.hf_config.vocab_size=1001" in err
     assert "changed: model.embed_tokens.weight" not in err  # the one setting, not a list of shapes

@@ -62,7 +62,8 @@ def fsdpkit_model(work: Path, variant: str) -> torch.nn.Module:
     """fsdpkit's own (unsharded) model with the checkpoint's weights, loaded through DCP."""
     model = build_model(compose_config(overrides(variant, work)).model)
     state = {"model": model.state_dict()}
-    dcp.load(state, storage_reader=SafeFileSystemReader(step_dir(work, variant)), planner=SafeLoadPlanner(), no_dist=True)
+    dcp.load(state, storage_reader=SafeFileSystemReader(step_dir(work, variant)), planner=SafeLoadPlanner(),
+             no_dist=True)
     return model.eval()
 
 
@@ -94,17 +95,19 @@ def test_transformers_loads_the_export_exactly(work, variant):
         assert ("lm_head.weight" in f.keys()) == (not tied)  # a tied head is written once
     assert (model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()) == tied
     report = json.loads((out.parent / f"{out.name}.report.json").read_text())
-    assert report["dropped"] == (["lm_head.weight (tied in the run config: the same tensor as model.embed_tokens.weight, written once, as "
-                                  "transformers expects)"]
+    assert report["dropped"] == (["lm_head.weight (tied in the run config: the same tensor as "
+                                  "model.embed_tokens.weight, written once, as transformers expects)"]
                                  if tied else [])
-    assert report["dtypes"] == {"float32": report["num_tensors"]} and "as stored in the checkpoint" in report["dtype_note"]
+    assert report["dtypes"] == {"float32": report["num_tensors"]}
+    assert "as stored in the checkpoint" in report["dtype_note"]
 
 
 @pytest.mark.parametrize("variant", ["llama", "hf_tied"])
 def test_bf16_export_matches_within_bf16_rounding(work, variant):
     out = work / "exports" / f"{variant}_bf16"
     report = json.loads((out.parent / f"{out.name}.report.json").read_text())
-    assert report["dtypes"] == {"bfloat16": report["num_tensors"]} and report["source_dtypes"] == {"float32": report["num_tensors"]}
+    assert report["dtypes"] == {"bfloat16": report["num_tensors"]}
+    assert report["source_dtypes"] == {"float32": report["num_tensors"]}
     assert "wrote bfloat16, converted from the checkpoint's float32 (the run's master weights" in report["dtype_note"]
     auto, _ = hf_load(out, dtype="auto")
     assert auto.dtype == torch.bfloat16  # config.json names the dtype written

@@ -34,8 +34,8 @@ def folders(tmp_path_factory, hf_tokenizer_dir) -> dict[str, Path]:
 def matrix(folders, tmp_path_factory) -> tuple[dict, Path]:
     work = tmp_path_factory.mktemp("hf-matrix")
     specs = [f"{a}={folders[a]}" for a in ARCHS] + [f"{a}+lora={folders[a]}" for a in LORA]
-    torchrun(2, ROOT / "tests" / "multirank" / "hf_matrix_worker.py", str(work / "out.json"), str(work / "runs"), *specs,
-             timeout=900)
+    torchrun(2, ROOT / "tests" / "multirank" / "hf_matrix_worker.py", str(work / "out.json"), str(work / "runs"),
+             *specs, timeout=900)
     return json.loads((work / "out.json").read_text()), work / "runs"
 
 

@@ -66,7 +66,8 @@ def main() -> None:
         results["bf16"] = train("bf16", ["experiment=bf16"], runs)
     if ws == 4:  # every other strategy, with 2 micro-batches per rank (gradient accumulation)
         for strategy in ("SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"):
-            results[strategy] = train(strategy, [f"strategy.sharding_strategy={strategy}", "strategy.hsdp_shard_size=2"], runs)
+            results[strategy] = train(strategy,
+                                      [f"strategy.sharding_strategy={strategy}", "strategy.hsdp_shard_size=2"], runs)
     if ws == 2:
         results["compile_ref"] = train("compile_ref", ["train.max_steps=5"], runs)
         results["ac"] = train("ac", ["experiment=activation_checkpointing", "train.max_steps=5"], runs)

@@ -106,7 +106,8 @@ def test_wrap_policy_typo_is_a_clear_error():
         model = build_model(compose_config().model)
     with pytest.raises(ValueError, match="cannot import 'fsdpkit.model.llama.LlamaDecoderLayr'"):
         matching_modules(model, ["fsdpkit.model.llama.LlamaDecoderLayr"], setting="policy.auto_wrap_policy")
-    with pytest.raises(ValueError, match=r"matches no module of LlamaForCausalLM; the model's module classes are: .*fsdpkit\.model\.llama\.LlamaDecoderLayer"):
+    with pytest.raises(ValueError, match=r"matches no module of LlamaForCausalLM; the model's module classes are: "
+                                         r".*fsdpkit\.model\.llama\.LlamaDecoderLayer"):
         matching_modules(model, ["torch.nn.TransformerEncoderLayer"], setting="policy.auto_wrap_policy")
 
 
@@ -128,5 +129,6 @@ def test_compile_backend_is_used_and_an_unknown_one_is_a_clear_error(fake_world,
     cfg = compose_config(OVERRIDES + ["train.compile=true", "train.compile_backend=inductr"])
     with torch.device("meta"):
         model = build_model(cfg.model)
-    with pytest.raises(ValueError, match=r"train.compile_backend='inductr' is not a torch.compile backend; use one of .*inductor"):
+    with pytest.raises(ValueError,
+                       match=r"train.compile_backend='inductr' is not a torch.compile backend; use one of .*inductor"):
         apply_fsdp(model, cfg, mesh=build_mesh(cfg, torch.device("cpu")))

@@ -82,7 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("action", choices=["show", "docs"],
                    help="show: print the resolved config; docs: every key, type, default and meaning")
     c.add_argument("--config-dir", action="append", default=[], metavar="DIR")
-    c.add_argument("--markdown", action="store_true", help="docs: print a markdown table (what the docs' config reference holds)")
+    c.add_argument("--markdown", action="store_true",
+                   help="docs: print a markdown table (what the docs' config reference holds)")
     c.add_argument("overrides", nargs="*", help="Hydra overrides (for show)")
     ckpt_cli.add_parser(sub)
     plot_cli.add_parser(sub)
