@@ -191,8 +191,10 @@ def _export_lora(args: argparse.Namespace) -> int:
     if args.json:
         _print_json(report)
         return 0
-    merged = f"tensors ({report['merged']} with LoRA merged, scale {report['scale']:g})"
-    what = "adapter tensors" if args.adapter else merged
+    if args.adapter:
+        what = "adapter tensors"
+    else:
+        what = f"tensors ({report['merged']} with LoRA merged, scale {report['scale']:g})"
     print(f"exported {report['num_tensors']} {what} from {report['source']} (step {report['step']}) to {report['out']} "
           f"in {report['seconds']:.2f} s: {', '.join(report['files'])}")
     _print_folder_files(report)
