@@ -28,7 +28,8 @@ The two sides, both resident on the GPU at once, so that they alternate:
   `block.compile()` per decoder layer when compiling, then `fully_shard` per decoder layer and on the
   root with the same MixedPrecisionPolicy (blocks: bf16 params, fp32 reduce; root: also fp32
   output), `to_empty` and the same seeded init; AdamW fused, cross-entropy (sum / tokens),
-  `clip_grad_norm_`, step, zero_grad. It reads the same samples from the same dataset.
+  `clip_grad_norm_`, step, zero_grad; a transformers model is called with `use_cache=False`. It reads
+  the same samples from the same dataset.
 
 After a first step of each from the same weights and samples (loss and gradient norm reported side
 by side) and `--warmup` more steps each (compile happens here), the two alternate in `--rounds`
@@ -181,6 +182,7 @@ class Baseline:
         self.sampler = GlobalSampler(num_samples=len(self.data), global_batch_size=cfg.train.global_batch_size,
                                      seed=cfg.seed, shuffle=cfg.data.shuffle)
         self.model, self.micro_batch_size, self.grad_clip = model, cfg.train.micro_batch_size, cfg.train.grad_clip
+        self.forward_kwargs = {} if cfg.model.kind == "llama" else {"use_cache": False}
         self.device = device
         self.rank, self.world_size = tdist.get_rank(), tdist.get_world_size()
 
@@ -193,7 +195,8 @@ class Baseline:
         for i, indices in enumerate(micro):
             self.model.set_requires_gradient_sync(i == len(micro) - 1)
             batch = self.data.batch(indices).to(self.device)  # [B, T + 1]
-            out = self.model(batch[:, :-1])
+            # a transformers model without its KV cache (built in every forward while use_cache is on)
+            out = self.model(batch[:, :-1], **self.forward_kwargs)
             logits = out if isinstance(out, torch.Tensor) else out.logits  # [B, T, V] fp32
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[:, 1:].flatten(), reduction="sum")
             (loss / global_tokens).backward()

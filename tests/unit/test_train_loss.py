@@ -134,3 +134,31 @@ def test_aux_loss_coefficient_from_the_config_and_its_errors():
     x = batch(7)
     with pytest.raises(ValueError, match=r"returned no aux_loss.*model\.hf_config\.output_router_logits=false"):
         masked_loss_terms(ConfiguredLinear(output_router_logits=True, router_aux_loss_coef=0.1), x, as_targets(x))
+
+
+def test_the_training_forward_builds_no_kv_cache(monkeypatch):
+    """transformers configs default to use_cache=True, which builds a KV cache in every forward, training
+    included (under activation checkpointing + torch.compile the recompute then failed checkpoint's metadata
+    check). fsdpkit's forward turns it off; the logits stay transformers' own."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(config).train()
+    assert model.config.use_cache
+    built = []
+    init = transformers.DynamicCache.__init__
+
+    def counted(self, *args, **kwargs):
+        built.append(1)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.DynamicCache, "__init__", counted)
+    x = batch(3)
+    reference = model(x).logits
+    assert len(built) == 1  # the probe sees transformers' own cache
+    from fsdpkit.model import forward, logits
+
+    assert forward(model, x).past_key_values is None
+    terms = masked_loss_terms(model, x[:, :-1], x[:, 1:])
+    assert torch.equal(logits(model, x), reference) and len(built) == 1
+    assert float(terms.ce_sum) > 0

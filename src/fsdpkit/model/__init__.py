@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -80,7 +82,25 @@ def reset_nonpersistent_buffers(model: nn.Module, *, leave_to_model: frozenset[i
         init_hf_buffers(model, leave_to_model=leave_to_model, keep_persistent=keep_persistent)
 
 
+@functools.cache
+def _takes_use_cache(cls: type) -> bool:
+    params = inspect.signature(cls.forward).parameters
+    return "use_cache" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def forward(model: nn.Module, input_ids: torch.Tensor):
+    """The model's training forward of input_ids [B, T]: a tensor of logits (our models) or
+    transformers' output. A transformers model runs with `use_cache=False`: its configs default to
+    `use_cache=True`, which builds a KV cache in every forward, training included; that cache keeps
+    every layer's keys and values alive, and under activation checkpointing the recomputed layer
+    writes into it a second time (with torch.compile the recompute then replays a different graph
+    and fails torch.utils.checkpoint's metadata check)."""
+    if isinstance(model, LlamaForCausalLM) or not _takes_use_cache(type(model)):
+        return model(input_ids)
+    return model(input_ids, use_cache=False)
+
+
 def logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
     """input_ids [B, T] -> logits [B, T, vocab] for our models and transformers models alike."""
-    out = model(input_ids)
+    out = forward(model, input_ids)
     return out if isinstance(out, torch.Tensor) else out.logits

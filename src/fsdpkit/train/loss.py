@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fsdpkit.data.datasets import Dataset
+from fsdpkit.model import forward as model_forward
 
 IGNORE_INDEX = -100
 
@@ -90,7 +91,7 @@ def masked_loss_terms(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
     """
     coef = router_aux_loss_coef(model)
     # Not fsdpkit.model.logits: that keeps only the logits, and the aux loss is in the same output.
-    out = model(inputs)
+    out = model_forward(model, inputs)
     logits = out if isinstance(out, torch.Tensor) else out.logits  # [B, L, V]
     ce_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum",
                              ignore_index=IGNORE_INDEX)
