@@ -165,8 +165,20 @@ def fast_mode(device: torch.device) -> tuple[dict, list[str]]:
         planner = DefaultSavePlanner()
         notes.append(f"skipped: DCP plan caching (DefaultSavePlanner has no enable_plan_caching in torch "
                      f"{torch.__version__}); the fast mode runs without it")
+    class PersistentStager(DefaultStager):
+        """torchtitan keeps one stager for the whole run (its cached pinned buffers are the point). Some
+        torch releases (2.11 among them) close the caller's stager when a save's upload finishes, which
+        empties its copy table (the next save fails with `KeyError: <class 'type'>`); this one is closed
+        only by `release()`, after the last save."""
+
+        def close(self) -> None:
+            pass
+
+        def release(self) -> None:
+            super().close()
+
     # A dedicated gloo group: with the default group the stager modes hit gloo collective mismatches.
-    kwargs = dict(async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=DefaultStager(options),
+    kwargs = dict(async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=PersistentStager(options),
                   planner=planner, process_group=tdist.new_group(backend="gloo"))
     return kwargs, notes
 
@@ -312,7 +324,7 @@ def main() -> None:
                 where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames))
                 notes.append(f"failed: torchtitan's fast mode: {type(e).__name__}: {e} (at {where})"[:1000])
             finally:
-                kwargs["async_stager"].close()
+                kwargs["async_stager"].release()
         times["quiet_step_s"] = quiet + [steps_while(lambda: False, train_step, at_least=10)[1]
                                          for _ in range(args.runs)]
         for i in range(args.runs + 1):
