@@ -159,11 +159,29 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(values: Sequence[float], *, device: torch.device) -> list[float]:
-    """Sum a few float64 scalars over all ranks in one collective; no-op in a world of one."""
-    t = torch.tensor(list(values), dtype=torch.float64, device=device)
+def all_reduce_sum(values: Sequence[float | torch.Tensor], *, device: torch.device,
+                   fetch: Sequence[torch.Tensor] = ()) -> list[float]:
+    """Sum a few scalars over all ranks in one collective (no-op in a world of one) and read them
+    back as float64, followed by the `fetch` scalars (read, not summed).
+
+    A value is a Python number or a one-element tensor on `device`; tensors are not read before
+    the sum, and everything comes back in one device-to-host copy, so a training step that hands
+    its loss and gradient norm here waits for the device once.
+    """
+    numbers = torch.tensor([float(v) for v in values if not isinstance(v, torch.Tensor)], dtype=torch.float64)
+    numbers = numbers.to(device, non_blocking=True)  # no wait for the device's queue
+    pieces, n = [], 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            pieces.append(v.detach().reshape(1).to(dtype=torch.float64))
+        else:
+            pieces.append(numbers[n:n + 1])
+            n += 1
+    t = torch.cat(pieces) if pieces else numbers
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t)
+    if fetch:
+        t = torch.cat([t, *(f.detach().reshape(1).to(device=t.device, dtype=torch.float64) for f in fetch)])
     return t.tolist()
 
 

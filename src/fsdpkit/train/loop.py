@@ -114,8 +114,10 @@ class Trainer:
         # (preemption, checkpoint cadence by time, a failed background save: Checkpointer.local_flags).
         watchdog.doing(f"step {step}: end-of-step all-reduce")
         # The aux pair rides along only for models with an aux term (the same on every rank).
-        aux = [float(aux_sum), len(micro)] if has_aux else []
-        total, *reduced = dist.all_reduce_sum([float(loss_sum), *aux, *self._local_flags()], device=self.device)
+        # The gradient norm is already global: read back with the sums (one device sync per step), not summed.
+        aux = [aux_sum, len(micro)] if has_aux else []
+        total, *reduced, grad_norm = dist.all_reduce_sum([loss_sum, *aux, *self._local_flags()], device=self.device,
+                                                         fetch=[grad_norm])
         aux_total, aux_count = reduced[:len(aux)] if aux else (None, None)
         self._agreed = reduced[len(aux):]
         dt = time.perf_counter() - t0

@@ -50,8 +50,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, *,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
-    """Clip to the true global L2 norm over every shard of every gradient; returns that norm.
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip to the true global L2 norm over every shard of every gradient; returns that norm, a
+    0-d tensor on the gradients' device (not read back here: the step reads it with its other
+    values, in one device-to-host copy).
 
     With DTensor gradients `clip_grad_norm_` reduces across the mesh and returns a replicated
     DTensor, so the norm (and the clipping) is global, never per shard. max_norm 0 measures only.
@@ -59,4 +61,4 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
     total = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else math.inf, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()
-    return float(total)
+    return total
