@@ -83,6 +83,8 @@ def correct_run(run_dir: Path, log_lines: list[str]) -> dict:
     device = torch.device("cpu")
     model, plan = build_sharded_model(cfg, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # the forwards the model had before the watch (activation checkpointing sets the decoder layers' own)
+    forwards_before = {name: m.__dict__.get("forward") for name, m in model.named_modules()}
     diag = diagnostics.start_diagnostics(model, optimizer, device=device, run_dir=run_dir, memory_steps=3,
                                          param_dtype=plan.mp_policy.param_dtype, state_dict_type="sharded")
     data = torch.randint(0, 1024, (4, 33), generator=torch.Generator().manual_seed(dist.rank()))
@@ -102,7 +104,8 @@ def correct_run(run_dir: Path, log_lines: list[str]) -> dict:
         diag.memory.mark(OPTIMIZER_STEP)
         optimizer.zero_grad(set_to_none=True)
         diag.after_step(last=step == 3)
-    forward_attr_restored = all("forward" not in m.__dict__ for m in model.modules())
+    forward_attr_restored = {name: m.__dict__.get("forward") for name, m in model.named_modules()} == forwards_before
+    forward_attr_restored &= sum(f is not None for f in forwards_before.values()) == len(plan.checkpointed) > 0
     return {"report": diag.report, "memory_after": diag.memory.summary(), "norms": norms,
             "forward_attr_restored": forward_attr_restored, "log": "\n".join(log_lines),
             "full_mib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20}

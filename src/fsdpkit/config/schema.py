@@ -52,8 +52,9 @@ class PolicyConfig:
     matches no module is an error; one that leaves most parameters in the root unit is a warning."""
     activation_checkpointing_policy: list[str] = field(default_factory=list)
     """`auto` (as for auto_wrap_policy) and/or dotted class paths whose modules recompute
-    activations in backward (composable `checkpoint`, so parameter names stay unchanged). Empty: no
-    activation checkpointing."""
+    activations in backward (their forward runs under non-reentrant `torch.utils.checkpoint`, in
+    place, so parameter names stay unchanged; with train.compile the checkpoint is compiled with the
+    block). Empty: no activation checkpointing."""
     mixed_precision: Any = "fp32"
     """The one source of truth for dtypes: a preset name (`fp32`; `bf16-mixed`: bf16 params in
     forward/backward, fp32 gradient reduction, fp32 outputs and buffers, fp32 master weights;

@@ -169,12 +169,15 @@ def mesh_and_placements(units: list[Unit]) -> tuple[tuple[int, ...], tuple[str, 
 
 
 def checkpointed_modules(model: nn.Module) -> list[str]:
-    """Modules that recompute activations in backward: composable `checkpoint`, torch's
-    CheckpointWrapper, or a Hugging Face module with gradient_checkpointing switched on."""
+    """Modules that recompute activations in backward: fsdpkit's `checkpoint_activations`,
+    composable `checkpoint`, torch's CheckpointWrapper, or a Hugging Face module with
+    gradient_checkpointing switched on. (fsdpkit's mark, fsdpkit.parallel.fsdp.RECOMPUTES, is
+    spelled out here: the diagnostics serve any FSDP2 loop and import nothing of the trainer.)"""
     names = []
     for name, module in model.named_modules():
         registry = _get_registry(module) or {}
         if "checkpoint" in registry or type(module).__name__ == "CheckpointWrapper" \
+                or getattr(module, "_fsdpkit_recomputes_activations", False) is True \
                 or getattr(module, "gradient_checkpointing", False) is True:
             names.append(name or type(module).__name__)
     return names

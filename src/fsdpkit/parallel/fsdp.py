@@ -1,10 +1,12 @@
 """Shard a model with FSDP2: build on meta, wrap bottom-up, materialise, initialise.
 
 The order is fixed and matters (as in torchtitan):
-  1. activation checkpointing on the modules the AC policy names (composable `checkpoint`, so
-     parameter names are unchanged);
-  2. `torch.compile` of each wrapped block's forward (in place: no `_orig_mod.` in names; FSDP's
-     and AC's hooks stay outside the compiled region);
+  1. activation checkpointing on the modules the AC policy names: their forward runs under
+     non-reentrant `torch.utils.checkpoint` (in place: parameter names are unchanged);
+  2. `torch.compile` of each wrapped block's forward (in place: no `_orig_mod.` in names). The
+     checkpoint is inside the compiled region, so inductor plans the recompute (and replays
+     random ops such as dropout exactly), as torchtitan's AC-then-compile order has it; FSDP's
+     hooks stay outside;
   3. `fully_shard` on every wrap-policy module, bottom-up, then on the root;
   4. `to_empty` on the target device, deterministic init, then recompute non-persistent buffers.
 """
@@ -12,14 +14,15 @@ The order is fixed and matters (as in torchtitan):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 from fsdpkit import dist
 from fsdpkit.config.schema import Config
@@ -78,7 +81,7 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
     warn_if_root_heavy(model, units, policy=pol.auto_wrap_policy)
     ac = matching_modules(model, pol.activation_checkpointing_policy, setting="policy.activation_checkpointing_policy")
     for _, module in ac:
-        checkpoint(module)
+        checkpoint_activations(module)
     compiled = []
     if cfg.train.compile:
         backend = cfg.train.compile_backend
@@ -115,6 +118,23 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
         mp_policy=mp,
         reshard_after_forward=reshard,
     )
+
+
+RECOMPUTES = "_fsdpkit_recomputes_activations"  # set on a module by checkpoint_activations (read by diagnostics)
+
+
+def checkpoint_activations(module: nn.Module) -> None:
+    """Keep only `module`'s inputs in forward and recompute the rest in backward: its forward (the
+    instance attribute, so names, hooks and the class stay) runs under non-reentrant
+    `torch.utils.checkpoint`, which restores the RNG state for the recompute."""
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def recomputed_in_backward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = recomputed_in_backward
+    setattr(module, RECOMPUTES, True)
 
 
 def _class_paths(modules: list[tuple[str, nn.Module]]) -> list[str]:
