@@ -6,13 +6,14 @@
 # bench/gpu_checkpoint.py and the CUDA tests. Writes into $OUT (at most 8 files): gpu_train.json,
 # gpu_checkpoint.json, pytest.txt, machine.txt, log.txt, RESULTS-gpu-section.md.
 # For a try on a CPU machine: SMOKE=1 (both scripts with --cpu-smoke) INSTALL=0 (no wheels) PY=<python>.
-# Time limits (seconds) can be changed: TRAIN_S (250), CKPT_S (90), CKPT_PARTS (async), TESTS_S (120); TRAIN_MODELS (ref,hf).
+# Time limits (seconds) can be changed: TRAIN_S (300), CKPT_S (75), CKPT_PARTS (async), TESTS_S (200); TRAIN_MODELS
+# (ref,hf); TEST_WORKERS (8, pytest-xdist).
 set -u
 OUT=${OUT:?set OUT to the folder for the results}
 mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" COMMIT=${COMMIT:-unknown}
 PY=${PY:-python3}
-TRAIN_S=${TRAIN_S:-250} CKPT_S=${CKPT_S:-90} TESTS_S=${TESTS_S:-120}
+TRAIN_S=${TRAIN_S:-300} CKPT_S=${CKPT_S:-75} TESTS_S=${TESTS_S:-200}
 LOG="$OUT/log.txt"
 exec > >(tee -a "$LOG") 2>&1
 t_all=$(date +%s)
@@ -55,8 +56,14 @@ part train "$TRAIN_S" $PY -m torch.distributed.run --standalone --nproc-per-node
     --out "$OUT/gpu_train.json" --budget-s $(( TRAIN_S - 35 ))
 part checkpoint "$CKPT_S" $PY -m torch.distributed.run --standalone --nproc-per-node 1 bench/gpu_checkpoint.py $SMOKE_ARG \
     --size-gib 1 --runs 5 --parts "${CKPT_PARTS:-async}" --out "$OUT/gpu_checkpoint.json"
-# -v: one line per test as it finishes, so a run cut by the time limit still shows what passed
-part cuda-tests "$TESTS_S" bash -c "$PY -m pytest tests/cuda -ra -v -p no:cacheprovider 2>&1 | tee '$OUT/pytest.txt'; exit \${PIPESTATUS[0]}"
+# -v: one line per test as it finishes, so a run cut by the time limit still shows what passed; the tests
+# run side by side (-n: each is one rank, subprocesses mostly starting up; the GPU has room for all) and
+# each under its own limit (pytest-timeout: a test that hangs is reported with its stack, the others go on)
+TEST_ARGS=""
+$PY -c 'import xdist' 2>/dev/null && TEST_ARGS="-n ${TEST_WORKERS:-8}"
+$PY -c 'import pytest_timeout' 2>/dev/null && TEST_ARGS="$TEST_ARGS --timeout $(( TESTS_S - 20 ))"
+part cuda-tests "$TESTS_S" bash -c "$PY -m pytest tests/cuda -ra -v -p no:cacheprovider $TEST_ARGS --durations=0 2>&1 \
+    | tee '$OUT/pytest.txt'; exit \${PIPESTATUS[0]}"
 part results-md 30 $PY bench/gpu_results_md.py --dir "$OUT" --out "$OUT/RESULTS-gpu-section.md"
 echo "=== all parts: $(( $(date +%s) - t_all ))s"
 ls -la "$OUT"

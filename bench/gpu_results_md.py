@@ -126,11 +126,17 @@ def tests_section(d: Path) -> list[str]:
         return [*out, "No result (pytest.txt missing).", ""]
     lines = path.read_text(errors="replace").splitlines()
     final = [x for x in lines if re.match(r"^=+ .*(passed|failed|error|skipped).* in [\d.]+s", x)]
-    results = [x for x in lines if re.search(r"::\S+ (PASSED|FAILED|ERROR|SKIPPED)", x)]
+    # `path::test PASSED [ 12%]` (one process) or `[gw0] [ 12%] PASSED path::test` (pytest-xdist)
+    outcome = r"(PASSED|FAILED|ERROR|SKIPPED)"
+    results = [x for x in lines if re.search(rf"::\S+ {outcome}|\] {outcome} \S+::", x)]
     summary = [x for x in lines if re.match(r"^(FAILED|ERROR|SKIPPED) ", x)]
+    durations = [x for x in lines if re.match(r"^[\d.]+s (call|setup|teardown) ", x)]
     out.append(f"Outcome: `{final[-1].strip('= ')}`" if final else
                f"No final summary (cut by the time limit?): {len(results)} test(s) finished.")
-    out += ["", "```", *[re.sub(r"\s+\[\s*\d+%\]$", "", x) for x in results], *summary, "```", ""]
+    tidy = lambda x: re.sub(r"^\[gw\d+\]\s+\[\s*\d+%\]\s+|\s+\[\s*\d+%\]$", "", x).strip()  # noqa: E731
+    out += ["", "```", *map(tidy, results), *summary, "```", ""]
+    if durations:
+        out += ["Durations (pytest `--durations`):", "", "```", *durations, "```", ""]
     return out
 
 
