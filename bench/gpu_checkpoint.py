@@ -165,20 +165,41 @@ def fast_mode(device: torch.device) -> tuple[dict, list[str]]:
         planner = DefaultSavePlanner()
         notes.append(f"skipped: DCP plan caching (DefaultSavePlanner has no enable_plan_caching in torch "
                      f"{torch.__version__}); the fast mode runs without it")
-    class PersistentStager(DefaultStager):
-        """torchtitan keeps one stager for the whole run (its cached pinned buffers are the point). Some
-        torch releases (2.11 among them) close the caller's stager when a save's upload finishes, which
-        empties its copy table (the next save fails with `KeyError: <class 'type'>`); this one is closed
-        only by `release()`, after the last save."""
+    class KeptStager:
+        """torchtitan keeps one DefaultStager for the whole run: its cached pinned buffers are the point.
+        Some torch releases (2.11 among them) empty the stager's caches at the end of every stage (its
+        next stage then fails with `KeyError: <class 'type'>`); there each save gets a new stager (as
+        good as that torch allows: the pinned buffers are allocated per save), counted in `renewed`."""
+
+        def __init__(self) -> None:
+            self.inner, self.renewed, self.saves = DefaultStager(options), 0, 0
+
+        @property
+        def should_synchronize_after_execute(self) -> bool:
+            return self.inner.should_synchronize_after_execute
+
+        def stage(self, state_dict, **kwargs):
+            if self.saves and not self.inner._state_dict_stager._deepcopy_dispatch:  # emptied after its last stage
+                self.inner.close()
+                self.inner, self.renewed = DefaultStager(options), self.renewed + 1
+            self.saves += 1
+            return self.inner.stage(state_dict, **kwargs)
+
+        def synchronize_staging(self) -> None:
+            self.inner.synchronize_staging()
 
         def close(self) -> None:
-            pass
+            self.inner.close()
 
-        def release(self) -> None:
-            super().close()
+        def note(self) -> str | None:
+            if not self.renewed:
+                return None
+            return (f"torch {torch.__version__}'s DefaultStager empties its staging cache after every stage and "
+                    f"cannot stage again, so the fast mode got a new stager for {self.renewed} of {self.saves} "
+                    "saves (pinned buffers allocated per save; a torch whose stager keeps its cache would stall less)")
 
     # A dedicated gloo group: with the default group the stager modes hit gloo collective mismatches.
-    kwargs = dict(async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=PersistentStager(options),
+    kwargs = dict(async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=KeptStager(),
                   planner=planner, process_group=tdist.new_group(backend="gloo"))
     return kwargs, notes
 
@@ -324,7 +345,9 @@ def main() -> None:
                 where = " <- ".join(f"{f.name}:{f.lineno}" for f in reversed(frames))
                 notes.append(f"failed: torchtitan's fast mode: {type(e).__name__}: {e} (at {where})"[:1000])
             finally:
-                kwargs["async_stager"].release()
+                kwargs["async_stager"].close()
+                if kwargs["async_stager"].note():
+                    notes.append(kwargs["async_stager"].note())
         times["quiet_step_s"] = quiet + [steps_while(lambda: False, train_step, at_least=10)[1]
                                          for _ in range(args.runs)]
         for i in range(args.runs + 1):
