@@ -101,7 +101,8 @@ def checkpoint_section(r: dict | None) -> list[str]:
            f"State {r['bytes'] / 1e9:.2f} GB (params + AdamW state, fp32) on {r['device']}, torch {r['torch']}; "
            f"median of {r['runs']} after one warm-up (min-max beside it). Fair baseline: torchtitan's fast mode "
            "(PROCESS, a persistent pinned shared-memory DefaultStager with async staging and non-blocking copies, "
-           "plan caching where this torch has it, a gloo group); its stall counts until staging is done."
+           "plan caching where this torch has it, a gloo group; a new stager per save where this torch's cannot "
+           "stage twice: see the notes); its stall counts until staging is done."
            + (" **CPU smoke run: the figures mean nothing.**" if r.get("cpu_smoke") else ""), "",
            "| figure | median | min-max | against | median | ratio |", "|---|---|---|---|---|---|"]
     for row in r.get("rows", []):
