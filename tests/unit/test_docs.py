@@ -84,6 +84,19 @@ def test_every_environment_variable_is_in_the_reference(site):
     assert not missing, f"reference/environment.md lacks {missing}"
 
 
+def test_the_trainer_migration_table_names_real_settings():
+    """docs/how-to/coming-from.md maps TrainingArguments to fsdpkit's settings: each named setting
+    exists (a renamed option fails here, not in a user's run)."""
+    text = (DOCS / "how-to" / "coming-from.md").read_text()
+    table = text[text.index("| `TrainingArguments` | fsdpkit |"):]
+    rows = [line for line in table.splitlines()[2:] if line.startswith("| `")]
+    options = {key for key, *_ in iter_options()}
+    named = [re.findall(r"`([^`]+)`", line.split("|")[2]) for line in rows]
+    assert len(rows) >= 20 and all(named), rows
+    unknown = [key for keys in named for key in keys if key not in options]
+    assert not unknown, f"coming-from.md names settings the config does not have: {unknown}"
+
+
 def test_every_public_name_of_fsdpkit_checkpoint_is_in_the_api_reference(site):
     import fsdpkit.checkpoint as package
 
