@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdpkit import dist  # noqa: E402
 from fsdpkit.config import compose_config  # noqa: E402
-from fsdpkit.train.determinism import enable_determinism  # noqa: E402
+from fsdpkit.train.determinism import enable_determinism, seed_everything  # noqa: E402
 from fsdpkit.train.metrics import read_records
 from fsdpkit.train.run import build_trainer  # noqa: E402
 from reference import reference_run  # noqa: E402
@@ -30,6 +30,7 @@ def train(name: str, overrides: list[str], runs: Path) -> dict:
     if dist.is_main():
         (runs / name).mkdir(parents=True, exist_ok=True)
     tdist.barrier()
+    seed_everything(cfg.seed, rank=dist.rank())  # as `fsdpkit train` does: no run inherits the last one's RNG
     trainer, plan = build_trainer(cfg, device=torch.device("cpu"), run_dir=runs / name)
     summary = trainer.fit()
     trainer.metrics.close()
@@ -71,8 +72,12 @@ def main() -> None:
     if ws == 2:
         results["compile_ref"] = train("compile_ref", ["train.max_steps=5"], runs)
         results["ac"] = train("ac", ["experiment=activation_checkpointing", "train.max_steps=5"], runs)
-        results["hf"] = train("hf", ["experiment=hf_llama", "train.max_steps=5", "model.vocab_size=512",
-                                     "++model.hf_config.vocab_size=512"], runs)
+        # attention dropout draws random numbers inside each decoder layer: with activation checkpointing
+        # the recompute must replay them exactly (torch.utils.checkpoint restores the RNG state)
+        hf = ["experiment=hf_llama", "train.max_steps=5", "model.vocab_size=512", "++model.hf_config.vocab_size=512",
+              "++model.hf_config.attention_dropout=0.2"]
+        results["hf"] = train("hf", hf, runs)
+        results["hf_ac"] = train("hf_ac", [*hf, "policy.activation_checkpointing_policy=[auto]"], runs)
     gathered = [None] * ws
     tdist.all_gather_object(gathered, {k: v.get("local_mib") for k, v in results.items() if isinstance(v, dict)})
     results["local_mib_by_rank"] = gathered
