@@ -25,38 +25,24 @@ MiB, GiB = 2**20, 2**30
 def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0,
                 direct: bool = False) -> tuple[float, float]:
     """(seconds for write + fsync, of which fsync), `block` after `block` in 256 KiB write calls
-    (fsdpkit.checkpoint.page_cache: on a VM that returns free memory to its host, 16 MiB calls
-    were up to 3x slower); with `writeback`, the write-back of every `writeback` bytes is started
-    as the writing goes on, as fsdpkit's checkpoint writer does where O_DIRECT is off; with
-    `direct`, through O_DIRECT from reused aligned buffers, as fsdpkit's checkpoint writer does
-    (direct_io.DirectWriter, FSDPKIT_DIRECT_WRITE_BUFFER_BYTES blocks on DIRECT_WRITERS threads)."""
-    from fsdpkit import tunables
-    from fsdpkit.checkpoint.direct_io import DirectWriter
-    from fsdpkit.checkpoint.hashing import DIRECT_WRITERS
-    from fsdpkit.checkpoint.page_cache import write_in_pieces
-    from fsdpkit.checkpoint.writeback import WriteBack
+    (on a VM that returns free memory to its host, 16 MiB calls were up to 3x slower); with
+    `writeback`, the write-back of every `writeback` bytes is started as the writing goes on; with
+    `direct`, through O_DIRECT from a reused aligned buffer (bench/raw_io.py: the disk's ways; the
+    fsync of an O_DIRECT file is counted in the write)."""
+    from raw_io import WriteBack, write_direct, write_in_pieces
 
     t0 = time.perf_counter()
     if direct:
-        writer = DirectWriter(path, buffer_bytes=tunables.current().direct_write_buffer_bytes, writers=DIRECT_WRITERS)
-        try:
-            if not writer.direct:
-                raise OSError(f"{path.parent} takes no O_DIRECT writes")
-            for _ in range(nbytes // len(block)):
-                writer.write(block)
-            writer.finish()
-            t1 = time.perf_counter()
-            writer.close()
-        finally:
-            writer.abort()
+        chunk = torch.frombuffer(bytearray(block), dtype=torch.uint8)
+        write_direct(path, (chunk for _ in range(nbytes // len(block))))
         t2 = time.perf_counter()
-        return t2 - t0, t2 - t1
+        return t2 - t0, 0.0
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         wb = WriteBack(fd, writeback)
         for i in range(nbytes // len(block)):
             view = memoryview(block)
-            while view:  # in FSDPKIT_WRITE_PIECE_BYTES calls, as fsdpkit's writer writes
+            while view:  # in 256 KiB calls
                 view = view[write_in_pieces(lambda v: os.write(fd, v), view):]
             wb.written_to((i + 1) * len(block))
         t1 = time.perf_counter()
@@ -111,14 +97,15 @@ def _concurrently(fns: list) -> float:
 def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block: bytes) -> dict[str, Any]:
     """`streams` new files of nbytes/streams each, written at once by as many threads (os.write
     drops the GIL), each fsynced: what N ranks writing their shards at once can reach. Three ways,
-    alternating: plain (all the write-back in the fsync), starting the write-back every
-    FSDPKIT_WRITEBACK_BYTES as the writing goes on, and O_DIRECT (fsdpkit's writer does the last, or the
-    second where O_DIRECT is off); the ceiling is the fastest median. A new set of files per repetition,
+    alternating: plain (all the write-back in the fsync), starting the write-back every 64 MiB
+    as the writing goes on, and O_DIRECT (bench/raw_io.py); the ceiling is the fastest median. A
+    new set of files per repetition,
     the previous set deleted first (the pattern of the
     checkpoint runs: new files, the last run's deleted; rewriting one file in place was ~4x slower
     here)."""
-    from fsdpkit import tunables
-    writeback_bytes = tunables.current().writeback_bytes
+    from raw_io import WRITEBACK_BYTES
+
+    writeback_bytes = WRITEBACK_BYTES
 
     each = nbytes // streams // CHUNK * CHUNK
     ways = {"plain": {}, **({"writeback": {"writeback": writeback_bytes}} if writeback_bytes > 0 else {}),
@@ -147,17 +134,17 @@ def write_ceiling(workdir: Path, *, nbytes: int, streams: int, reps: int, block:
 
 
 def _takes_direct(folder: Path) -> bool:
-    """Whether files in `folder` take O_DIRECT writes (not tmpfs, nor with FSDPKIT_DIRECT_IO=0)."""
-    from fsdpkit.checkpoint import direct_io
+    """Whether files in `folder` take O_DIRECT writes (not tmpfs)."""
+    from raw_io import ALIGN, aligned_buffer, open_direct
 
     made, probe = tempfile.mkstemp(prefix=".o_direct_probe_", dir=folder)  # a new file of ours, never one found there
     os.close(made)
     try:
-        fd = direct_io.open_direct(probe, os.O_WRONLY)
+        fd = open_direct(probe, os.O_WRONLY)
         if fd is None:
             return False
         try:
-            os.pwrite(fd, direct_io.aligned_buffer(direct_io.ALIGN).numpy(), 0)
+            os.pwrite(fd, aligned_buffer(ALIGN).numpy(), 0)
             return True
         except OSError:
             return False
@@ -179,6 +166,7 @@ def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: lis
     """Disk, page-cache and memcpy ceilings; every figure a median of `reps` repetitions."""
     from fsdpkit import tunables
     from fsdpkit.checkpoint import staging
+    from raw_io import WRITE_PIECE_BYTES
 
     torch.set_num_threads(1)
     nbytes = int(gib * GiB) // CHUNK * CHUNK
@@ -229,7 +217,7 @@ def measure_ceilings(workdir: Path, *, gib: float, memcpy_mib: int, streams: lis
     return {
         "reps": reps,
         "write_fsync": writes,
-        "write_piece_bytes": tunables.current().write_piece_bytes,
+        "write_piece_bytes": WRITE_PIECE_BYTES,
         "read_cold": reads,
         "read_restart_bytes": tunables.current().read_restart_bytes,
         "memcpy_bytes": n * 4,

@@ -10,7 +10,6 @@ T0_ENV = "BENCH_T0"  # the orchestrator's wall clock when it launched torchrun (
 
 # B1 (and B3's sync saves)
 OUR_SYNC = "fsdpkit save_checkpoint"
-OUR_SYNC_PLAIN = "fsdpkit save_checkpoint, io=plain"  # checkpoint.io=plain: the A/B of the fast writer
 DCP_SYNC = "dcp.save"
 TORCH_SYNC = "torch.save (rank 0, full)"
 RAW_WRITE = "raw write + fsync of each rank's bytes (ceiling)"  # B1's in-run disk ceilings: this one,
@@ -27,7 +26,7 @@ B6_MODES = ("no checkpoint", "fsdpkit sync", OUR_ASYNC, OUR_ASYNC_BG, DCP_ASYNC)
 # B4 and B5
 OUR_LOAD = "fsdpkit load_checkpoint"
 OUR_LOAD_VERIFY = "fsdpkit load_checkpoint, verify=True"
-OUR_LOAD_PLAIN = "fsdpkit load_checkpoint, io=plain"  # checkpoint.io=plain: the A/B of the fast reader
+OUR_LOAD_PLAIN = "fsdpkit load_checkpoint, io=plain"  # checkpoint.io=plain: the A/B of the verifying reader
 DCP_LOAD = "dcp.load + set_state_dict"
 RAW_READ = "raw read of each rank's share of the bytes (ceiling)"  # B4/B5's disk ceiling
 

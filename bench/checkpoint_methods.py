@@ -31,24 +31,16 @@ from checkpoint_common import (
     OUR_ASYNC,
     OUR_ASYNC_BG,
     OUR_SYNC,
-    OUR_SYNC_PLAIN,
     RAW_WRITE,
     RAW_WRITE_DIRECT,
     RAW_WRITE_WB,
     TORCH_SYNC,
 )
 from checkpoint_model import Bench, local_tensors
-from fsdpkit import tunables
-from fsdpkit.checkpoint import direct_io
 from fsdpkit.checkpoint.async_save import AsyncSaver
-from fsdpkit.checkpoint.direct_io import DirectWriter
-from fsdpkit.checkpoint.hashing import DIRECT_WRITERS
 from fsdpkit.checkpoint.manifest import optimizer_summary
-from fsdpkit.checkpoint.page_cache import write_in_pieces
 from fsdpkit.checkpoint.save import save_checkpoint
-from fsdpkit.checkpoint.writeback import WriteBack
-
-TUNED = tunables.current()  # this benchmark process's FSDPKIT_* settings, which name the ceilings
+from raw_io import DIRECT_BUFFER_BYTES, WRITEBACK_BYTES, WriteBack, write_direct, write_in_pieces
 
 
 # -- saves -----------------------------------------------------------------------------------
@@ -63,11 +55,9 @@ def dcp_state(b: Bench) -> dict[str, Any]:
     return {"model": model_sd, "optim": optim_sd}
 
 
-def save_fsdpkit(b: Bench, root: Path, label: int | None = None, *, io: str = "fast") -> dict[str, Any]:
-    """`io`: checkpoint.io (fsdpkit/checkpoint/io.py), `fast` as a Checkpointer has by default."""
+def save_fsdpkit(b: Bench, root: Path, label: int | None = None) -> dict[str, Any]:
     step = b.counter.step if label is None else label
-    return save_checkpoint(b.target, ckpt_dir=root / f"step_{step}", step=step, meta=meta(b), group=b.sync_group,
-                           io=io)
+    return save_checkpoint(b.target, ckpt_dir=root / f"step_{step}", step=step, meta=meta(b), group=b.sync_group)
 
 
 def save_dcp(b: Bench, root: Path) -> None:
@@ -91,21 +81,14 @@ RAW_CHUNK = 16 << 20
 
 def write_raw(b: Bench, root: Path, *, writeback: int = 0, direct: bool = False) -> None:
     """The disk's ceiling for this save, taken beside it: every rank writes its own state bytes
-    (the same bytes a save writes) to a new file in os.write calls of FSDPKIT_WRITE_PIECE_BYTES
-    (256 KiB), then fsyncs it; with `writeback`, starting the write-back of every `writeback`
-    bytes as it goes (FSDPKIT_WRITEBACK_BYTES); with `direct`, through O_DIRECT from reused aligned
-    buffers (direct_io.DirectWriter as fsdpkit's checkpoint writer sets it up): the ways fsdpkit's
-    writer writes, with O_DIRECT and where it is off."""
+    (the same bytes a save writes) to a new file in os.write calls of 256 KiB, then fsyncs it; with
+    `writeback`, starting the write-back of every `writeback` bytes as it goes; with `direct`,
+    through O_DIRECT from a reused aligned buffer (bench/raw_io.py: the disk's ways, not fsdpkit's)."""
     root.mkdir(parents=True, exist_ok=True)
     path = root / f"raw_{b.rank}.bin"
     if direct:
-        writer = DirectWriter(path, buffer_bytes=TUNED.direct_write_buffer_bytes, writers=DIRECT_WRITERS)
-        try:
-            for t in local_tensors(b, with_steps=True):
-                writer.write(t.detach().contiguous().reshape(-1).view(torch.uint8))
-            writer.close()
-        finally:
-            writer.abort()
+        write_direct(path, (t.detach().contiguous().reshape(-1).view(torch.uint8)
+                            for t in local_tensors(b, with_steps=True)))
         return
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     written, wb = 0, WriteBack(fd, writeback)
@@ -125,14 +108,12 @@ def write_raw(b: Bench, root: Path, *, writeback: int = 0, direct: bool = False)
 SYNC_SAVES: dict[str, Callable[[Bench, Path], Any]] = {
     OUR_SYNC: save_fsdpkit, DCP_SYNC: save_dcp, TORCH_SYNC: save_torch}
 RAW_WRITES: dict[str, Callable[[Bench, Path], Any]] = {RAW_WRITE: write_raw}
-if TUNED.writeback_bytes > 0:
-    RAW_WRITES[f"{RAW_WRITE_WB} {TUNED.writeback_bytes >> 20} MiB (ceiling)"] = functools.partial(
-        write_raw, writeback=TUNED.writeback_bytes)
-if direct_io.enabled():
-    RAW_WRITES[f"{RAW_WRITE_DIRECT} from {TUNED.direct_write_buffer_bytes >> 20} MiB buffers on "
-               f"{DIRECT_WRITERS} threads (ceiling)"] = functools.partial(write_raw, direct=True)
-B1_METHODS = {**SYNC_SAVES, OUR_SYNC_PLAIN: functools.partial(save_fsdpkit, io="plain"),  # A/B: B1 only
-              **RAW_WRITES}  # B1 times the ceilings in the same rotation as the saves
+RAW_WRITES[f"{RAW_WRITE_WB} {WRITEBACK_BYTES >> 20} MiB (ceiling)"] = functools.partial(
+    write_raw, writeback=WRITEBACK_BYTES)
+if hasattr(os, "O_DIRECT"):
+    RAW_WRITES[f"{RAW_WRITE_DIRECT} from a {DIRECT_BUFFER_BYTES >> 20} MiB buffer (ceiling)"] = functools.partial(
+        write_raw, direct=True)
+B1_METHODS = {**SYNC_SAVES, **RAW_WRITES}  # B1 times the ceilings in the same rotation as the saves
 
 
 class AsyncMethod:

@@ -175,8 +175,8 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "(fsdpkit / it) | fsdpkit / 2 ranks | verify / 2 ranks |",
                 "|---|---|---|---|---|---|---|---|", *loads]
     if ioab:
-        out += ["", "### checkpoint.io A/B: fast (O_DIRECT/page-cache writer, verifying reader) against plain "
-                "(DCP's own writer and reader), same rotation",
+        out += ["", "### checkpoint.io A/B: fast (the verifying reader) against plain (DCP's own reader after a "
+                "checksum pass), same rotation",
                 "| size GiB | phase | fast s (median) | min–max (n) | plain s (median) | min–max (n) "
                 "| plain / fast |",
                 "|---|---|---|---|---|---|---|", *ioab]

@@ -7,7 +7,7 @@ writer's prepare_global_plan; the scatter (pickling N global plans); finish_plan
 results gathered; the writer's finish (.metadata: pickle, fsync, rename); the metadata broadcast.
 fsdpkit's save runs that inside its real commit (`save._commit`, private): the directory
 preparation, the checksum all-reduce, the file lists gathered from N ranks (synthetic, one data
-file per rank, as HashingFileSystem reports), the manifest built, sealed and written, `latest`.
+file per rank, as DigestFileSystem reports), the manifest built, sealed and written, `latest`.
 Load: reading `.metadata` (DCP: pickle; fsdpkit: its allow-list unpickler, and the file's
 checksum first), rank 0's local load plan, the N load plans gathered, create_global_plan, the
 scatter, finish_plan; fsdpkit adds resolution (committed_candidates: manifest read and checked,
@@ -44,8 +44,8 @@ from coordinator_plans import (
 from coordinator_probe import peak_rss_mb, reset_peak_rss
 from coordinator_state import LAYERS, Llama70BShape, manifest_meta
 from fsdpkit.checkpoint import save as fsave
-from fsdpkit.checkpoint.dcp_storage import hashing_writer
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
+from fsdpkit.checkpoint.io import hashing_writer
 from fsdpkit.checkpoint.layout import MANIFEST, step_dir_name
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.resume import check_optimizer, committed_candidates

@@ -6,11 +6,11 @@
    sequential read (the file's pages evicted first with posix_fadvise(DONTNEED)), and a copy: the
    same bytes read cold and written with fsync, which is what an export on one disk does. Before
    the runs, one stream each (a reader thread feeding the writer, and one thread reading then
-   writing each 16 MiB, as dd), through the page cache (in fsdpkit's pieces: a new descriptor per
-   16 MiB read, 256 KiB write calls; fsdpkit.checkpoint.page_cache) and with O_DIRECT; and in the rotation with
-   the runs (drift hits both alike), the checkpoint's own files read, written and copied with the
-   export's own parallelism (FSDPKIT_EXPORT_READ_AHEAD read threads, FSDPKIT_EXPORT_WRITE_THREADS write
-   threads, O_DIRECT). Each
+   writing each 16 MiB, as dd), through the page cache (a new descriptor per 16 MiB read,
+   256 KiB write calls: bench/raw_io.py) and with O_DIRECT; and in the rotation with the runs
+   (drift hits both alike), the checkpoint's own files read, written and copied with the export's
+   own parallelism (FSDPKIT_EXPORT_READ_AHEAD read threads, one writer), O_DIRECT where the file
+   system takes it. Each
    ceiling is the fastest of these. Where reads and writes share the disk's budget, a copy moves
    about as many bytes per second (reads and writes together) as reading or writing alone, and no
    export beats the copy: the ratio to it is shown beside the target's, with the copy's reads +
@@ -18,10 +18,8 @@
 3. Runs each variant `--reps` times, in its own subprocess (peak RSS = the child's ru_maxrss),
    the checkpoint evicted from the page cache before every run, outputs fsynced:
      fsdpkit        export_checkpoint(...) fp32 (byte-range reader, FSDPKIT_EXPORT_READ_AHEAD read threads,
-                    O_DIRECT reads and writes)
+                    pread and ordinary writes through the page cache)
      fsdpkit-bf16   the same with dtype=bf16
-     fsdpkit-page-cache  fsdpkit with O_DIRECT off (FSDPKIT_EXPORT_DIRECT_IO=0): reads and writes
-                    through the page cache, as before O_DIRECT
      fsdpkit-dcp    export_checkpoint(..., reader="dcp"): one dcp.load per tensor
      baseline       dcp_to_torch_save -> torch.load(mmap=True, weights_only=True) -> safetensors.save_file
      accelerate     accelerate.utils.merge_fsdp_weights (only if accelerate is installed)
@@ -59,8 +57,8 @@ from fsdpkit import tunables
 
 RESULTS = Path(__file__).parent / "results" / "export.json"
 HIDDEN, INTERMEDIATE, VOCAB, KV = 2048, 5632, 32000, 512
-VARIANTS = ("fsdpkit", "fsdpkit-bf16", "fsdpkit-page-cache", "fsdpkit-dcp", "baseline", "accelerate")
-PAGE_CACHE = {"FSDPKIT_EXPORT_DIRECT_IO": "0"}  # fsdpkit-page-cache: fsdpkit's export with O_DIRECT off
+VARIANTS = ("fsdpkit", "fsdpkit-bf16", "fsdpkit-dcp", "baseline", "accelerate")
+EXPORT_WRITERS = 1  # the export writes its output on one thread
 MIB, GIB = 2**20, 2**30
 
 
@@ -182,7 +180,7 @@ def run_child(variant: str, ckpt: Path, out: Path, *, rlimit_extra: int | None =
     cmd = [sys.executable, __file__, "--_child", variant, "--_ckpt", str(ckpt), "--_out", str(out)]
     if rlimit_extra is not None:
         cmd += ["--_rlimit", str(rlimit_extra)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(PAGE_CACHE if variant == "fsdpkit-page-cache" else {})}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     shutil.rmtree(out, ignore_errors=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -320,11 +318,11 @@ def main() -> None:
             for kind, src, dst in (("read", sources, None), ("write", [], work / "raw_write.bin"),
                                    ("copy", sources, work / "raw_copy.bin")):
                 seconds = parallel_seconds(src, dst, nbytes=data_bytes, readers=tuned.export_read_ahead,
-                                           writers=tuned.export_write_threads, direct=direct)
+                                           writers=EXPORT_WRITERS, direct=direct)
                 raw[kind].append(data_bytes / seconds / 1e9)
             print(f"  run {rep + 1}/{args.reps} raw at the export's parallelism: "
                   + ", ".join(f"{k} {v[-1]:.2f} GB/s" for k, v in raw.items()), flush=True)
-        disk["parallel"] = {"readers": tuned.export_read_ahead, "writers": tuned.export_write_threads,
+        disk["parallel"] = {"readers": tuned.export_read_ahead, "writers": EXPORT_WRITERS,
                             "direct": direct, "bytes": data_bytes,
                             "runs": raw, "medians": {k: statistics.median(v) for k, v in raw.items()}}
         for kind, key in (("write", "write_fsync_gb_s"), ("read", "read_cold_gb_s"), ("copy", "copy_gb_s")):

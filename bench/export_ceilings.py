@@ -14,9 +14,8 @@ import threading
 import time
 from pathlib import Path
 
-from fsdpkit import tunables
-from fsdpkit.checkpoint.direct_io import pwrite_all
-from fsdpkit.checkpoint.page_cache import SequentialReader, reopen, write_in_pieces
+from fsdpkit.checkpoint.page_cache import SequentialReader, reopen
+from raw_io import WRITE_PIECE_BYTES, pwrite_all, write_in_pieces
 
 MIB = 2**20
 
@@ -44,8 +43,8 @@ def _buffers(count: int = 2) -> list:
 
 
 def _write_out(fd: int, buf, n: int, *, direct: bool) -> None:
-    """The first `n` bytes of `buf` appended to `fd`: through the page cache in 256 KiB calls, as
-    fsdpkit writes there (fsdpkit.checkpoint.page_cache), with O_DIRECT in one call."""
+    """The first `n` bytes of `buf` appended to `fd`: through the page cache in 256 KiB calls
+    (bench/raw_io.py), with O_DIRECT in one call."""
     view = memoryview(buf)[:n]
     while view:
         view = view[os.write(fd, view) if direct else write_in_pieces(lambda v: os.write(fd, v), view):]
@@ -201,7 +200,7 @@ def parallel_seconds(sources: list[Path], dst: Path | None, *, nbytes: int, read
                     return
                 buf, n, offset = free.get(), block, job[2]
             view = memoryview(buf)[: -(-n // 4096) * 4096]  # O_DIRECT writes whole 4 KiB blocks
-            pwrite_all(out, view, offset, piece=0 if direct else tunables.current().write_piece_bytes)
+            pwrite_all(out, view, offset, piece=0 if direct else WRITE_PIECE_BYTES)
             free.put(buf)
 
     t0 = time.perf_counter()

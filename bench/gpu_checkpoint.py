@@ -52,13 +52,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdpkit import tunables
 from fsdpkit.checkpoint import Checkpointer
-from fsdpkit.checkpoint.dcp_storage import hashing_writer
-from fsdpkit.checkpoint.direct_io import DirectWriter
-from fsdpkit.checkpoint.hashing import DIRECT_WRITERS
+from fsdpkit.checkpoint.io import hashing_writer
 from fsdpkit.checkpoint.manifest import read_manifest
-from fsdpkit.checkpoint.writeback import WriteBack
+from raw_io import WriteBack
+from raw_io import write_direct as raw_write_direct
 
 RESULTS = Path(__file__).parent / "results" / "gpu_checkpoint.json"
 WIDTH = 4096
@@ -114,7 +112,7 @@ def ceilings(nbytes: int, runs: int, scratch: Path, device: torch.device) -> dic
 
     block = pinned.view(torch.uint8).numpy()
 
-    def write(writeback: bool) -> None:  # with writeback: started every 64 MiB as it goes, as fsdpkit's writer does
+    def write(writeback: bool) -> None:  # with writeback: started every 64 MiB as it goes
         with open(scratch / "ceiling.bin", "wb") as f:
             wb = WriteBack(f.fileno(), (64 << 20) if writeback else 0)
             for i in range(0, len(block), 64 << 20):
@@ -124,14 +122,8 @@ def ceilings(nbytes: int, runs: int, scratch: Path, device: torch.device) -> dic
             os.fsync(f.fileno())
         (scratch / "ceiling.bin").unlink()
 
-    def write_direct() -> None:  # as fsdpkit's checkpoint writer does where O_DIRECT is taken
-        writer = DirectWriter(scratch / "ceiling.bin", buffer_bytes=tunables.current().direct_write_buffer_bytes,
-                              writers=DIRECT_WRITERS)
-        try:
-            writer.write(block)
-            writer.close()
-        finally:
-            writer.abort()
+    def write_direct() -> None:  # O_DIRECT from a reused aligned buffer (bench/raw_io.py)
+        raw_write_direct(scratch / "ceiling.bin", [pinned.view(torch.uint8)])
         (scratch / "ceiling.bin").unlink()
 
     ways = [timed(lambda: write(False), runs), timed(lambda: write(True), runs), timed(write_direct, runs)]

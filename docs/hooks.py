@@ -125,8 +125,8 @@ def environment_page() -> str:
             for env, default, accepts, meaning in environment_rows()]
     return "\n".join([
         "# Environment variables", "", GENERATED_NOTE.format(source="src/fsdpkit/tunables.py"),
-        "Low-level I/O knobs (O_DIRECT, write and read piece sizes, object-storage parts, lock timings, "
-        "export threads). A malformed value stops any `fsdpkit` command at once, naming the variable. "
+        "Low-level I/O knobs (read sizes, object-storage parts, lock timings, export blocks and "
+        "threads). A malformed value stops any `fsdpkit` command at once, naming the variable. "
         "What a run chooses (directories, timeouts, shard sizes) is a [config option](config.md) instead. "
         "Byte counts take a number or a size (`16MiB`, `5MB`); switches take 0 or 1; an empty variable "
         "counts as unset.", "",

@@ -131,28 +131,12 @@ def s3():
 
 @pytest.fixture
 def tune() -> Iterator[Callable[..., object]]:
-    """`tune(write_piece_bytes=4, ...)`: fsdpkit.tunables overridden from then until the test ends
+    """`tune(read_restart_bytes=4096, ...)`: fsdpkit.tunables overridden from then until the test ends
     (calls nest; the environment is not touched)."""
     from fsdpkit import tunables
 
     with ExitStack() as stack:
         yield lambda **values: stack.enter_context(tunables.override(**values))
-
-
-def opens_o_direct(folder: Path) -> bool:
-    """Whether a new file in `folder` opens with O_DIRECT (fsdpkit's probe; the probe file is removed)."""
-    from fsdpkit.checkpoint import direct_io
-
-    made, probe = tempfile.mkstemp(prefix=".o_direct_probe_", dir=folder)  # a new file of ours
-    os.close(made)
-    try:
-        fd = direct_io.open_direct(probe, os.O_WRONLY)
-        if fd is None:
-            return False
-        os.close(fd)
-        return True
-    finally:
-        os.unlink(probe)
 
 
 @pytest.fixture

@@ -11,53 +11,38 @@ command calls `current()` before doing anything). Code reads a value when it nee
 `override` reaches it. Byte counts take a number or a size (`16MiB`, `5MB`); switches take 0 or 1.
 An empty variable counts as unset.
 
-Tests change values with `with tunables.override(write_piece_bytes=4): ...` (tests/conftest.py
+Tests change values with `with tunables.override(read_restart_bytes=4096): ...` (tests/conftest.py
 has a `tune` fixture that keeps an override until the test ends).
 
-Variable                           Default  Accepts         Meaning
-FSDPKIT_DIRECT_IO                  1        0 or 1          O_DIRECT for checkpoint files and export where the file
-                                                            system takes it; 0: the page cache everywhere
-FSDPKIT_DIRECT_WRITE_BUFFER_BYTES  8 MiB    bytes >= 4 KiB  a local checkpoint file is written with O_DIRECT in blocks
-                                                            of this size (3 buffers per file being written)
-FSDPKIT_DIRECT_KEEP_BYTES          64 MiB   bytes >= 0      O_DIRECT write buffers a process keeps for the next file, at
-                                                            most
-FSDPKIT_DIRECT_READ_BYTES          1 MiB    bytes >= 0      a load reads a stored tensor of at least this size straight
-                                                            into its host target
-FSDPKIT_WRITEBACK_BYTES            64 MiB   bytes >= 0      start a checkpoint file's disk write-back every this many
-                                                            bytes written; 0: all in the final fsync
-FSDPKIT_WRITE_PIECE_BYTES          256 KiB  bytes >= 0      page-cache writes of checkpoint data are calls of at most
-                                                            this size; 0: as given
-FSDPKIT_READ_RESTART_BYTES         16 MiB   bytes >= 0      a file read start to end gets a new descriptor (a fresh
-                                                            kernel readahead) this often; 0: never
-FSDPKIT_HASH_CHUNK_ELEMS           4194304  elements >= 1   elements per piece of the `linear` tensor checksum (bounds
-                                                            its memory; the sum is the same)
-FSDPKIT_PYTHON_ROW_HASH            0        0 or 1          1: the python-xxhash loop for `xxh3_64-rows` checksums even
-                                                            where the C extension is built
-FSDPKIT_STAGING_THREADS            (unset)  threads >= 1    threads of an async save's blocking host copy; unset: the
-                                                            cores / ranks on this host, at most 4
-FSDPKIT_REMOTE_PART_BYTES          16 MiB   bytes >= 5 MiB  part size of a multipart upload to object storage (S3's
-                                                            smallest part is 5 MiB)
-FSDPKIT_REMOTE_PARTS_IN_FLIGHT     4        parts >= 1      parts of one object uploaded at once
-FSDPKIT_REMOTE_RANGE_BYTES         16 MiB   bytes >= 1      largest ranged GET of an object read into memory
-FSDPKIT_REMOTE_OPEN_BLOCK_BYTES    1 MiB    bytes >= 1      read-ahead of an object opened as a file
-FSDPKIT_LOCK_WAIT_S                15       seconds >= 0    how long a run waits for checkpoints/.lock (a just-killed
-                                                            predecessor still exiting)
-FSDPKIT_OBJECT_LOCK_HEARTBEAT_S    30       seconds > 0     a run refreshes its lock object on object storage this often
-FSDPKIT_OBJECT_LOCK_STALE_S        120      seconds > 0     a lock object not refreshed for this long is taken over
-                                                            (more than the heartbeat)
-FSDPKIT_EXPORT_BLOCK_BYTES         16 MiB   bytes >= 4 KiB  export reads, converts and writes tensors this many bytes at
-                                                            a time
-FSDPKIT_EXPORT_READ_AHEAD          4        blocks >= 1     blocks export reads ahead, on as many threads, while one is
-                                                            written
-FSDPKIT_EXPORT_WRITE_THREADS       2        threads >= 1    O_DIRECT blocks of an export's output file written at once
-FSDPKIT_EXPORT_DIRECT_IO           1        0 or 1          0: export reads and writes through the page cache
-                                                            (FSDPKIT_DIRECT_IO=0 also does)
-FSDPKIT_EXPORT_FLUSH_BYTES         128 MiB  bytes >= 0      page-cache export output starts its disk write-back every
-                                                            this many bytes; 0: at the fsync
-FSDPKIT_VERIFY_THREADS             4        threads >= 1    threads that recompute checksums (`fsdpkit ckpt verify`
-                                                            without --threads, verified exports)
-FSDPKIT_DIAG_GRAD_NORM_RTOL        0.001    ratio > 0       relative tolerance of the gradient-norm check between norms
-                                                            that should agree
+Variable                         Default  Accepts         Meaning
+FSDPKIT_DIRECT_READ_BYTES        1 MiB    bytes >= 0      a load reads a stored tensor of at least this size straight
+                                                          into its host target
+FSDPKIT_READ_RESTART_BYTES       16 MiB   bytes >= 0      a file read start to end gets a new descriptor (a fresh kernel
+                                                          readahead) this often; 0: never
+FSDPKIT_HASH_CHUNK_ELEMS         4194304  elements >= 1   elements per piece of the `linear` tensor checksum (bounds its
+                                                          memory; the sum is the same)
+FSDPKIT_PYTHON_ROW_HASH          0        0 or 1          1: the python-xxhash loop for `xxh3_64-rows` checksums even
+                                                          where the C extension is built
+FSDPKIT_STAGING_THREADS          (unset)  threads >= 1    threads of an async save's blocking host copy; unset: the
+                                                          cores / ranks on this host, at most 4
+FSDPKIT_REMOTE_PART_BYTES        16 MiB   bytes >= 5 MiB  part size of a multipart upload to object storage (S3's
+                                                          smallest part is 5 MiB)
+FSDPKIT_REMOTE_PARTS_IN_FLIGHT   4        parts >= 1      parts of one object uploaded at once
+FSDPKIT_REMOTE_RANGE_BYTES       16 MiB   bytes >= 1      largest ranged GET of an object read into memory
+FSDPKIT_REMOTE_OPEN_BLOCK_BYTES  1 MiB    bytes >= 1      read-ahead of an object opened as a file
+FSDPKIT_LOCK_WAIT_S              15       seconds >= 0    how long a run waits for checkpoints/.lock (a just-killed
+                                                          predecessor still exiting)
+FSDPKIT_OBJECT_LOCK_HEARTBEAT_S  30       seconds > 0     a run refreshes its lock object on object storage this often
+FSDPKIT_OBJECT_LOCK_STALE_S      120      seconds > 0     a lock object not refreshed for this long is taken over (more
+                                                          than the heartbeat)
+FSDPKIT_EXPORT_BLOCK_BYTES       16 MiB   bytes >= 4 KiB  export reads, converts and writes tensors this many bytes at a
+                                                          time
+FSDPKIT_EXPORT_READ_AHEAD        4        blocks >= 1     blocks export reads ahead, on as many threads, while one is
+                                                          written
+FSDPKIT_VERIFY_THREADS           4        threads >= 1    threads that recompute checksums (`fsdpkit ckpt verify`
+                                                          without --threads, verified exports)
+FSDPKIT_DIAG_GRAD_NORM_RTOL      0.001    ratio > 0       relative tolerance of the gradient-norm check between norms
+                                                          that should agree
 
 A test (tests/unit/test_tunables.py) holds this table to the declarations below, and fails on an
 FSDPKIT_* name in the repository that is not declared here.
@@ -116,19 +101,9 @@ class Tunables:
     """One value per tunable, each read from FSDPKIT_ + its name in capitals (`remote_part_bytes`:
     FSDPKIT_REMOTE_PART_BYTES)."""
 
-    # -- checkpoint files on local disks (fsdpkit.checkpoint.direct_io, hashing, page_cache)
-    direct_io: bool = _tunable(True, unit="switch", meaning=(
-        "O_DIRECT for checkpoint files and export where the file system takes it; 0: the page cache everywhere"))
-    direct_write_buffer_bytes: int = _tunable(8 << 20, unit="bytes", minimum=4096, meaning=(
-        "a local checkpoint file is written with O_DIRECT in blocks of this size (3 buffers per file being written)"))
-    direct_keep_bytes: int = _tunable(64 << 20, unit="bytes", minimum=0, meaning=(
-        "O_DIRECT write buffers a process keeps for the next file, at most"))
+    # -- checkpoint files on local disks (fsdpkit.checkpoint.verified_read, hashing, page_cache)
     direct_read_bytes: int = _tunable(1 << 20, unit="bytes", minimum=0, meaning=(
         "a load reads a stored tensor of at least this size straight into its host target"))
-    writeback_bytes: int = _tunable(64 << 20, unit="bytes", minimum=0, meaning=(
-        "start a checkpoint file's disk write-back every this many bytes written; 0: all in the final fsync"))
-    write_piece_bytes: int = _tunable(256 << 10, unit="bytes", minimum=0, meaning=(
-        "page-cache writes of checkpoint data are calls of at most this size; 0: as given"))
     read_restart_bytes: int = _tunable(16 << 20, unit="bytes", minimum=0, meaning=(
         "a file read start to end gets a new descriptor (a fresh kernel readahead) this often; 0: never"))
     hash_chunk_elems: int = _tunable(1 << 22, unit="elements", minimum=1, meaning=(
@@ -158,12 +133,6 @@ class Tunables:
         "export reads, converts and writes tensors this many bytes at a time"))
     export_read_ahead: int = _tunable(4, unit="blocks", minimum=1, meaning=(
         "blocks export reads ahead, on as many threads, while one is written"))
-    export_write_threads: int = _tunable(2, unit="threads", minimum=1, meaning=(
-        "O_DIRECT blocks of an export's output file written at once"))
-    export_direct_io: bool = _tunable(True, unit="switch", meaning=(
-        "0: export reads and writes through the page cache (FSDPKIT_DIRECT_IO=0 also does)"))
-    export_flush_bytes: int = _tunable(128 << 20, unit="bytes", minimum=0, meaning=(
-        "page-cache export output starts its disk write-back every this many bytes; 0: at the fsync"))
     verify_threads: int = _tunable(4, unit="threads", minimum=1, meaning=(
         "threads that recompute checksums (`fsdpkit ckpt verify` without --threads, verified exports)"))
     # -- diagnostics (fsdpkit.diagnostics.grad_norm)
@@ -310,7 +279,7 @@ def current() -> Tunables:
 @contextmanager
 def override(**values: Any) -> Iterator[Tunables]:
     """Tunables changed until the block ends (nests; for tests and benchmarks):
-    `with override(direct_io=False): ...`.
+    `with override(read_restart_bytes=0): ...`.
 
     Raises:
         TypeError: a name that is not a tunable.

@@ -134,7 +134,7 @@ class _ObservedStream:
 
 
 class _ObservedFileSystem:
-    """A DCP file system that passes everything to `inner` (fsdpkit's HashingFileSystem) and
+    """A DCP file system that passes everything to `inner` (fsdpkit's DigestFileSystem) and
     observes the writes to shard files (*.distcp; `.metadata` is left alone) through
     _ObservedStream(**observe)."""
 

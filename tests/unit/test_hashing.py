@@ -1,18 +1,15 @@
-"""Tensor checksums: the same however the rows are split, different when anything moves."""
+"""Checksums: tensor checksums the same however the rows are split, different when anything moves;
+file checksums those of the bytes each file holds, and none for a file whose write failed."""
 
 from __future__ import annotations
 
 import os
-import sys
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import opens_o_direct  # noqa: E402
-from fsdpkit.checkpoint.hashing import LINEAR, ROWS, hash_part  # noqa: E402
+from fsdpkit.checkpoint.hashing import LINEAR, ROWS, hash_part
 
 
 def split_sum(t: torch.Tensor, cuts: list[int], algorithm: str) -> int:
@@ -40,101 +37,6 @@ def test_split_invariant_and_sensitive(algorithm, dtype):
 def test_unknown_algorithm_is_an_error():
     with pytest.raises(ValueError, match="unknown tensor hash algorithm"):
         hash_part(torch.zeros(2, 2), first_row=0, algorithm="md5")
-
-
-@pytest.mark.parametrize("piece", [0, 256 << 10])
-def test_file_stream_hashes_what_reached_the_file_small_large_and_short_writes(piece, tune):
-    """Writes under and over the overlap threshold (the latter hashed on another thread while
-    written), and a short write, give xxh3-64 of exactly the bytes the file holds; with pieces
-    (FSDPKIT_WRITE_PIECE_BYTES), no write call is larger than a piece, and a short piece ends
-    the write there."""
-    import io
-
-    import xxhash
-
-    from fsdpkit.checkpoint.hashing import _HashingStream
-
-    tune(write_piece_bytes=piece)
-
-    class Recording(io.BytesIO):
-        def __init__(self):
-            super().__init__()
-            self.calls: list[int] = []
-
-        def write(self, b):
-            self.calls.append(len(b))
-            return super().write(b)
-
-    class Short(Recording):  # accepts only part of one large write, as a non-blocking stream may
-        short_done = False
-
-        def write(self, b):
-            if len(b) >= (piece or 3 << 20) and not self.short_done and sum(self.calls) > 2 << 20:
-                self.short_done = True
-                self.calls.append(len(b))
-                return io.BytesIO.write(self, bytes(b)[: len(b) - 7])
-            return super().write(b)
-
-    big = torch.randint(0, 255, (5 << 20,), dtype=torch.uint8).numpy()
-    for raw in (Recording(), Short()):
-        got, returned = {}, []
-        stream = _HashingStream(raw, lambda size, digest, got=got: got.update(size=size, digest=digest))
-        for chunk in (b"header", big[: 2 << 20], b"x" * 100, big):
-            returned.append(stream.write(chunk))
-        stream.close()
-        data = raw.getvalue()
-        assert got == {"size": len(data), "digest": xxhash.xxh3_64(data).hexdigest()}
-        last = ((piece or len(big)) - 7) if isinstance(raw, Short) else len(big)  # what the file took of `big`
-        assert returned == [6, 2 << 20, 100, last]
-        assert len(data) == 6 + (2 << 20) + 100 + last
-        assert max(raw.calls) == (piece or 5 << 20)
-
-
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise here (macOS): no write-back advice")
-def test_file_stream_starts_write_back_as_it_writes(tmp_path, monkeypatch, tune):
-    """A file with a descriptor has its write-back started every FSDPKIT_WRITEBACK_BYTES, over ranges that
-    tile what was written; a stream without one (object storage) and a file system that refuses
-    the advice still write and hash every byte."""
-    import io
-
-    import xxhash
-
-    from fsdpkit.checkpoint import hashing
-
-    tune(writeback_bytes=3 << 20)
-    advice: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, how: advice.append((offset, length, how)))
-    chunk = torch.randint(0, 255, (1 << 20,), dtype=torch.uint8).numpy()
-
-    def write(raw) -> dict:
-        got: dict = {}
-        stream = hashing._HashingStream(raw, lambda size, digest: got.update(size=size, digest=digest))
-        for _ in range(10):
-            stream.write(chunk)
-        stream.close()
-        return got
-
-    path = tmp_path / "shard.distcp"
-    with path.open("wb") as raw:
-        got = write(raw)
-    data = path.read_bytes()
-    assert got == {"size": 10 << 20, "digest": xxhash.xxh3_64(data).hexdigest()}
-    assert advice == [(0, 3 << 20, os.POSIX_FADV_DONTNEED), (3 << 20, 3 << 20, os.POSIX_FADV_DONTNEED),
-                      (6 << 20, 3 << 20, os.POSIX_FADV_DONTNEED)]
-
-    advice.clear()
-    assert write(io.BytesIO())["size"] == 10 << 20  # no descriptor: no advice
-    assert advice == []
-
-    def refuse(*args):
-        advice.append(args)
-        raise OSError(29, "Illegal seek")
-
-    monkeypatch.setattr(os, "posix_fadvise", refuse)
-    with path.open("wb") as raw:
-        got = write(raw)
-    assert got == {"size": 10 << 20, "digest": xxhash.xxh3_64(path.read_bytes()).hexdigest()}
-    assert len(advice) == 1  # refused once, then not asked again
 
 
 def _native_rows_sum():
@@ -236,157 +138,119 @@ def test_native_row_hash_releases_the_gil():
     pytest.fail(f"no other thread ran during a {1e3 * (t1 - t0):.0f} ms call: the GIL was held")
 
 
-def test_local_checkpoint_files_are_written_with_o_direct(tmp_path, monkeypatch, tune):
-    """A local file goes through O_DIRECT in whole aligned blocks, only its last partial block
-    through the ordinary descriptor; `tell` counts what was written, `fileno` (DCP's fsync) first
-    writes what is staged, and bytes after it still land in order; the checksum is the file's."""
-    import xxhash
-
-    from fsdpkit.checkpoint import hashing
-    from fsdpkit.checkpoint.direct_io import ALIGN
-
-    if not opens_o_direct(tmp_path):
-        pytest.skip("this file system takes no O_DIRECT")
-    tune(direct_write_buffer_bytes=16 * ALIGN)  # many blocks per large write
-    calls: list[tuple[int, int]] = []
-    real_pwrite = os.pwrite
-    monkeypatch.setattr(os, "pwrite", lambda fd, data, offset: calls.append((fd, len(memoryview(data).cast("B"))))
-                        or real_pwrite(fd, data, offset))
-    big = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8).numpy()
-    pieces = [b"PK\x03\x04 header", big[: (1 << 20) + 5], b"y" * 333, big, b"end"]
-    fs = hashing.HashingFileSystem()
-    path = tmp_path / "__0_0.distcp"
-    with fs.create_stream(path, "wb") as stream:
-        direct_fd = stream._direct._direct
-        written = 0
-        for piece in pieces[:-1]:
-            assert stream.write(piece) == len(piece)
-            written += len(piece)
-            assert stream.tell() == written
-        fd = stream.fileno()
-        os.fsync(fd)
-        stream.write(pieces[-1])  # after the fsync: through the ordinary descriptor
-    data = path.read_bytes()
-    expected = b"".join(bytes(p) for p in pieces)
-    assert data == expected
-    assert fs.files["__0_0.distcp"] == {"size": len(expected), "xxh3_64": xxhash.xxh3_64(expected).hexdigest()}
-    before_fileno = len(expected) - len(pieces[-1])
-    assert sum(n for f, n in calls if f == direct_fd) == before_fileno - before_fileno % ALIGN
-    assert sum(n for f, n in calls if f != direct_fd) == before_fileno % ALIGN + len(pieces[-1])
 
 
-def test_dcp_save_with_o_direct_writes_the_same_files_as_through_the_page_cache(tmp_path, monkeypatch, tune):
-    """The same state saved by DCP through fsdpkit's writer with and without O_DIRECT: byte-identical
-    files and checksums, and the O_DIRECT checkpoint loads back to the same tensors."""
-    import torch.distributed.checkpoint as dcp
+def _digest_fs(base=None):
+    from fsdpkit.checkpoint.hashing import DigestFileSystem
 
-    from fsdpkit.checkpoint import direct_io, hashing
-    from fsdpkit.checkpoint.dcp_storage import hashing_writer, safe_reader
-
-    if not opens_o_direct(tmp_path):
-        pytest.skip("this file system takes no O_DIRECT")
-    tune(direct_write_buffer_bytes=8 * direct_io.ALIGN)
-    g = torch.Generator().manual_seed(0)
-    state = {"w": torch.randn(1000, 257, generator=g), "b": torch.randn(3, generator=g),
-             "h": torch.randn(40, 40, generator=g).to(torch.bfloat16), "n": torch.tensor(7)}
-    used: list[bool] = []
-    real_init = hashing._HashingStream.__init__
-
-    def spy(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        used.append(self._direct is not None)
-
-    monkeypatch.setattr(hashing._HashingStream, "__init__", spy)
-    files = {}
-    for way, enabled in (("direct", True), ("page_cache", False)):
-        tune(direct_io=enabled)
-        writer, fs = hashing_writer(tmp_path / way, thread_count=2)
-        dcp.save(state, storage_writer=writer, no_dist=True)
-        files[way] = fs.files
-    assert used == [True] * 3 + [False] * 3  # 2 data files and .metadata per save
-    data_files = [name for name in files["direct"] if name.endswith(".distcp")]  # .metadata names its directory
-    assert len(data_files) == 2
-    assert {n: files["direct"][n] for n in data_files} == {n: files["page_cache"][n] for n in data_files}
-    for name in data_files:
-        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "page_cache" / name).read_bytes()
-    back = {k: torch.zeros_like(v) for k, v in state.items()}
-    dcp.load(back, storage_reader=safe_reader(tmp_path / "direct"), no_dist=True)
-    assert all(torch.equal(back[k], v) for k, v in state.items())
+    return DigestFileSystem() if base is None else DigestFileSystem(base=base)
 
 
-def test_a_failed_o_direct_write_fails_the_save_and_records_no_checksum(tmp_path, monkeypatch, tune):
-    """A full disk under an O_DIRECT write (on a writer thread) is raised to DCP's save, and the
-    file gets no checksum."""
-    import errno
-
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    from fsdpkit.checkpoint import direct_io
-    from fsdpkit.checkpoint.dcp_storage import hashing_writer
-
-    if not opens_o_direct(tmp_path):
-        pytest.skip("this file system takes no O_DIRECT")
-    tune(direct_write_buffer_bytes=8 * direct_io.ALIGN)
-    direct_fds: set[int] = set()
-    real_open_direct, real_pwrite = direct_io.open_direct, os.pwrite
-
-    def open_direct(path, flags):
-        fd = real_open_direct(path, flags)
-        direct_fds.add(fd)
-        return fd
-
-    def pwrite(fd, data, offset):
-        if fd in direct_fds:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real_pwrite(fd, data, offset)
-
-    monkeypatch.setattr(direct_io, "open_direct", open_direct)
-    monkeypatch.setattr(os, "pwrite", pwrite)
-    writer, fs = hashing_writer(tmp_path / "ckpt", thread_count=1)
-    with pytest.raises(CheckpointException, match=r"No space left on device\n.*__0_0.distcp"):
-        dcp.save({"w": torch.randn(512, 512)}, storage_writer=writer, no_dist=True)
-    assert "__0_0.distcp" not in fs.files
-
-
-def test_a_failed_write_through_the_page_cache_is_raised_at_fsync_with_the_file_name(tmp_path, tune):
-    """Where O_DIRECT is off, a write the file refuses (a full disk) is kept and raised when DCP
-    asks for the descriptor to fsync (not from inside torch.save, where it would come out as
-    torch's "unexpected pos"); the writes after it are dropped, the stream ends closed and the
-    file gets no checksum."""
-    import errno
+def test_file_digest_is_that_of_the_bytes_the_file_took_small_large_and_short_writes(tmp_path):
+    """Small and large writes, of any buffer item format, and a short write: size and xxh3-64 are
+    those of exactly the bytes the file holds, and `write` returns what the file took."""
     import io
 
+    import xxhash
     from torch.distributed.checkpoint.filesystem import FileSystem
 
-    from fsdpkit.checkpoint import hashing
-
-    tune(direct_io=False)
-
-    class FullDisk(io.RawIOBase):
+    class Short(io.RawIOBase):  # takes only part of one large write, as a non-blocking stream may
         def __init__(self, f):
             super().__init__()
-            self.f, self.taken = f, 0
+            self.f, self.cut = f, False
 
         def writable(self):
             return True
 
         def write(self, b):
-            if self.taken >= 600:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            self.taken += len(b)
-            return self.f.write(b)
+            data = bytes(b)
+            if len(data) > 1 << 20 and not self.cut:
+                self.cut = True
+                data = data[:-7]
+            return self.f.write(data)
 
         def fileno(self):
             return self.f.fileno()
 
-    class FullDiskFileSystem(FileSystem):
+    class ShortFileSystem(FileSystem):
         @contextmanager
         def create_stream(self, path, mode):
             with open(path, mode) as f:
-                yield FullDisk(f)
+                yield Short(f)
 
-    fs = hashing.HashingFileSystem(base=FullDiskFileSystem())
+    big = torch.randint(0, 255, (3 << 20,), dtype=torch.uint8).numpy()
+    pieces = [b"header", big[: 2 << 20], torch.arange(100, dtype=torch.float32).numpy(), big]
+    for name, fs, short in (("whole.distcp", _digest_fs(), 0), ("short.distcp", _digest_fs(ShortFileSystem()), 7)):
+        with fs.create_stream(tmp_path / name, "wb") as stream:
+            returned = [stream.write(piece) for piece in pieces]
+        data = (tmp_path / name).read_bytes()
+        assert returned == [6, (2 << 20) - short, 400, 3 << 20]
+        assert len(data) == 6 + (2 << 20) + 400 + (3 << 20) - short
+        assert fs.files == {name: {"size": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}}
+
+
+def test_dcp_save_records_every_file_with_the_digest_of_its_bytes(tmp_path):
+    """A save through the one writer (io.hashing_writer): every file DCP wrote is recorded (the
+    metadata under its final name), with the size and an independent xxh3-64 of the file on disk,
+    and the checkpoint loads back to the same tensors."""
+    import torch.distributed.checkpoint as dcp
+    import xxhash
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from fsdpkit.checkpoint.dcp_storage import safe_reader
+    from fsdpkit.checkpoint.hashing import DigestFileSystem
+    from fsdpkit.checkpoint.io import hashing_writer
+
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(1000, 257, generator=g), "b": torch.randn(3, generator=g),
+             "h": torch.randn(40, 40, generator=g).to(torch.bfloat16), "n": torch.tensor(7)}
+    writer, fs = hashing_writer(tmp_path, thread_count=2)
+    assert type(writer) is FileSystemWriter and isinstance(fs, DigestFileSystem) and writer.fs is fs
+    dcp.save(state, storage_writer=writer, no_dist=True)
+    on_disk = sorted(p.name for p in tmp_path.iterdir())
+    assert sorted(fs.files) == on_disk and ".metadata" in on_disk and len(on_disk) == 3  # 2 threads: 2 data files
+    for name, info in fs.files.items():
+        data = (tmp_path / name).read_bytes()
+        assert info == {"size": len(data), "xxh3_64": xxhash.xxh3_64(data).hexdigest()}, name
+    back = {k: torch.zeros_like(v) for k, v in state.items()}
+    dcp.load(back, storage_reader=safe_reader(tmp_path), no_dist=True)
+    assert all(torch.equal(back[k], v) for k, v in state.items())
+
+
+class _FullDisk:
+    """A file that refuses writes (ENOSPC) once it holds `room` bytes."""
+
+    def __init__(self, f, room: int):
+        self.f, self.room = f, room
+
+    def write(self, b):
+        import errno
+
+        if self.f.tell() >= self.room:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.f.write(b)
+
+    def __getattr__(self, name):
+        return getattr(self.f, name)
+
+
+def _full_disk_file_system(room: int):
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class FullDiskFileSystem(FileSystem):
+        @contextmanager
+        def create_stream(self, path, mode):
+            with super().create_stream(path, mode) as f:
+                yield _FullDisk(f, room) if "w" in mode else f
+
+    return FullDiskFileSystem()
+
+
+def test_a_failed_write_is_raised_at_fsync_with_the_file_name(tmp_path):
+    """A write the file refuses (a full disk) is kept and raised when DCP asks for the descriptor
+    to fsync (not from inside torch.save, where it would come out as torch's "unexpected pos"); the
+    writes after it are dropped and the file gets no checksum."""
+    fs = _digest_fs(_full_disk_file_system(600))
     path = tmp_path / "__0_0.distcp"
     with pytest.raises(OSError, match="No space left on device") as failure:
         with fs.create_stream(path, "wb") as stream:
@@ -394,5 +258,18 @@ def test_a_failed_write_through_the_page_cache_is_raised_at_fsync_with_the_file_
                 assert stream.write(b"x" * 600) == 600  # the 2nd fails and is kept; the rest are dropped
             os.fsync(stream.fileno())
     assert any(str(path) in note for note in failure.value.__notes__)
-    assert stream.closed and fs.files == {}
+    assert fs.files == {}
     assert path.read_bytes() == b"x" * 600
+
+
+def test_a_failed_write_fails_the_dcp_save_naming_the_file_and_records_no_checksum(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    fs = _digest_fs(_full_disk_file_system(1 << 20))
+    writer = FileSystemWriter(tmp_path, sync_files=True, thread_count=1)
+    writer.fs = fs
+    with pytest.raises(CheckpointException, match=r"No space left on device\n.*__0_0.distcp"):
+        dcp.save({"w": torch.randn(1024, 512)}, storage_writer=writer, no_dist=True)
+    assert "__0_0.distcp" not in fs.files

@@ -1,6 +1,8 @@
-"""checkpoint.io: the plain path (DCP's own writer and reader plus fsdpkit's file checksums) and the
-fast path (io.py) write the same checkpoint, read each other's, and both refuse a damaged file.
-One process, a gloo world of one: the collectives of save and load run for real.
+"""The I/O seam (io.py): every save writes through DCP's own writer with fsdpkit's file checksums,
+whatever `checkpoint.io`, and the manifest records the digest of every file's bytes; `checkpoint.io`
+picks the reader (`fast`: the verifying reader, `plain`: DCP's reader after a checksum pass), both
+load the same state and both refuse a damaged file. One process, a gloo world of one: the
+collectives of save and load run for real.
 """
 
 from __future__ import annotations
@@ -11,12 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fsdpkit.checkpoint import Checkpointer, io
 from fsdpkit.checkpoint.dcp_storage import safe_reader
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
+from fsdpkit.checkpoint.hashing import DigestFileSystem
 from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.resume import verify_files
 from fsdpkit.config import compose_config
@@ -65,29 +69,41 @@ def _resume(ckpt: Path, *, io_: str) -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def both(tmp_path, world_of_one, monkeypatch) -> tuple[dict[str, torch.Tensor], Path, Path]:
-    """One state saved with io=plain and with io=fast: (its tensors, plain ckpt, fast ckpt). The
-    plain save must not touch the fast writer (HashingFileSystem)."""
+    """One state saved by a Checkpointer with io=plain and with io=fast: (its tensors, plain ckpt,
+    fast ckpt). Both saves go through the one writer, io.hashing_writer."""
+    from fsdpkit.checkpoint import save
+
     model, opt = _trained(seed=0)
-    with monkeypatch.context() as m:
-        m.setattr("fsdpkit.checkpoint.dcp_storage.HashingFileSystem",
-                  lambda **_: pytest.fail("io=plain wrote through the fast path"))
-        plain = _save(tmp_path / "plain", model, opt, io_="plain")
+    real, made = save.hashing_writer, []
+    monkeypatch.setattr(save, "hashing_writer", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    plain = _save(tmp_path / "plain", model, opt, io_="plain")
     fast = _save(tmp_path / "fast", model, opt, io_="fast")
+    assert [(type(w), type(fs)) for w, fs in made] == [(FileSystemWriter, DigestFileSystem)] * 2
     return _tensors(model, opt), plain, fast
 
 
-def test_plain_and_fast_write_the_same_checkpoint(both):
+def test_the_manifest_records_the_digest_of_every_file_as_written(both):
+    _, plain, fast = both
+    for ckpt in (plain, fast):
+        files = read_manifest(ckpt)["files"]
+        assert "__0_0.distcp" in files and ".metadata" in files
+        assert files.keys() == {p.name for p in ckpt.iterdir()} - {"manifest.json"}
+        for name, info in files.items():  # an independent xxh3-64 of the bytes on disk
+            data = (ckpt / name).read_bytes()
+            assert (info["size"], info["xxh3_64"]) == (len(data), xxhash.xxh3_64_hexdigest(data)), name
+        assert verify_files(ckpt, read_manifest(ckpt)) == []
+
+
+def test_checkpoint_io_does_not_change_what_a_save_writes(both):
     _, plain, fast = both
     files_plain, files_fast = read_manifest(plain)["files"], read_manifest(fast)["files"]
-    assert files_plain.keys() == files_fast.keys() and "__0_0.distcp" in files_plain
+    assert files_plain.keys() == files_fast.keys()
     for name in sorted(files_plain.keys() - {".metadata"}):
         assert files_plain[name] == files_fast[name], name  # size and xxh3: the same bytes
     # .metadata never repeats between two saves (DCP pickles a random save_id and the checkpoint's
     # path into it); what it says about the state is the same
     a, b = safe_reader(plain).read_metadata(), safe_reader(fast).read_metadata()
     assert a.state_dict_metadata == b.state_dict_metadata and a.storage_data == b.storage_data
-    for ckpt in (plain, fast):  # each manifest digest is that of the bytes on disk
-        assert verify_files(ckpt, read_manifest(ckpt)) == []
 
 
 def _no_fast_reader(m: pytest.MonkeyPatch) -> None:
@@ -110,13 +126,21 @@ def test_each_loads_under_the_other_setting_bitwise(both, monkeypatch):
         assert _same(_resume(plain, io_="plain"), saved)
 
 
-def test_plain_refuses_a_flipped_tensor_byte_naming_the_file(tmp_path, world_of_one, monkeypatch):
-    _no_fast_reader(monkeypatch)
+@pytest.mark.parametrize("io_", ["plain", "fast"])
+def test_each_reader_refuses_a_flipped_tensor_byte_naming_the_file(tmp_path, world_of_one, monkeypatch, io_):
+    readers: list[object] = []
+    if io_ == "plain":
+        _no_fast_reader(monkeypatch)
+    else:  # the verifying reader finds it from its own read
+        real = io.VerifyingFileSystemReader
+        monkeypatch.setattr(io, "VerifyingFileSystemReader",
+                            lambda *a, **k: readers.append(real(*a, **k)) or readers[-1])
     model, opt = _trained(seed=0)
-    ckpt = _save(tmp_path / "plain", model, opt, io_="plain")
+    ckpt = _save(tmp_path / "ckpt", model, opt, io_=io_)
     _flip_weight_byte(ckpt, model)
     with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp fails its checksum"):
-        _resume(ckpt, io_="plain")
+        _resume(ckpt, io_=io_)
+    assert len(readers) == (io_ == "fast")
 
 
 def test_a_bad_io_setting_names_the_key_and_the_choices(tmp_path):
@@ -127,9 +151,9 @@ def test_a_bad_io_setting_names_the_key_and_the_choices(tmp_path):
     assert compose_config([]).checkpoint.io == "fast"  # the default: existing runs unchanged
 
 
-def test_the_seam_hands_out_dcp_own_writer_and_reader_for_plain(tmp_path):
-    writer, fs = io.hashing_writer(tmp_path, io="plain", thread_count=1)
-    assert type(writer) is FileSystemWriter and isinstance(fs, io.DigestFileSystem) and writer.fs is fs
+def test_the_seam_hands_out_dcp_own_writer_and_the_reader_checkpoint_io_names(tmp_path):
+    writer, fs = io.hashing_writer(tmp_path, thread_count=1)
+    assert type(writer) is FileSystemWriter and type(fs) is DigestFileSystem and writer.fs is fs
     assert not io.verifies_while_reading(tmp_path, io="plain") and io.verifies_while_reading(tmp_path)
 
 

@@ -1,4 +1,4 @@
-"""Checkpoint files through the page cache in pieces: reads with a restarted descriptor, writes in pieces."""
+"""Checkpoint files read through the page cache: from start to end, with a descriptor renewed every few MiB."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from fsdpkit.checkpoint.page_cache import SequentialReader, write_in_pieces
+from fsdpkit.checkpoint.page_cache import SequentialReader
 
 
 def _read_all(reader: SequentialReader, size: int, step: int) -> bytes:
@@ -75,18 +75,3 @@ def test_restart_off_reads_through_one_descriptor(tmp_path, monkeypatch, tune):
     with SequentialReader(path) as reader:
         assert _read_all(reader, len(data), 4096) == data
     assert opened == [str(path)]
-
-
-def test_writes_go_out_in_pieces_and_stop_at_a_short_one(tune):
-    tune(write_piece_bytes=4)
-    calls: list[bytes] = []
-    assert write_in_pieces(lambda b: calls.append(bytes(b)), memoryview(b"abcdefghij")) == 10  # None: all taken
-    assert calls == [b"abcd", b"efgh", b"ij"]
-    calls.clear()
-    assert write_in_pieces(lambda b: calls.append(bytes(b)) or (2 if len(calls) == 2 else len(b)),
-                           memoryview(b"abcdefghij")) == 6
-    assert calls == [b"abcd", b"efgh"]
-    tune(write_piece_bytes=0)
-    calls.clear()
-    assert write_in_pieces(lambda b: calls.append(bytes(b)), memoryview(b"abcdefghij")) == 10
-    assert calls == [b"abcdefghij"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fsdpkit import tunables
-from fsdpkit.checkpoint import direct_io, page_cache
+from fsdpkit.checkpoint import page_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = tunables.declared()
@@ -31,18 +31,19 @@ def test_every_tunable_parses_its_default(spec):
 
 
 def test_values_are_parsed_as_their_kind():
-    got = tunables.from_environ({"FSDPKIT_REMOTE_PART_BYTES": "32MiB", "FSDPKIT_WRITE_PIECE_BYTES": "4096",
-                                 "FSDPKIT_DIRECT_IO": "0", "FSDPKIT_PYTHON_ROW_HASH": "true",
-                                 "FSDPKIT_STAGING_THREADS": "3", "FSDPKIT_LOCK_WAIT_S": "2.5"})
-    assert (got.remote_part_bytes, got.write_piece_bytes, got.direct_io, got.python_row_hash,
-            got.staging_threads, got.lock_wait_s) == (32 << 20, 4096, False, True, 3, 2.5)
+    got = tunables.from_environ({"FSDPKIT_REMOTE_PART_BYTES": "32MiB", "FSDPKIT_READ_RESTART_BYTES": "4096",
+                                 "FSDPKIT_PYTHON_ROW_HASH": "true", "FSDPKIT_STAGING_THREADS": "3",
+                                 "FSDPKIT_LOCK_WAIT_S": "2.5"})
+    assert (got.remote_part_bytes, got.read_restart_bytes, got.python_row_hash,
+            got.staging_threads, got.lock_wait_s) == (32 << 20, 4096, True, 3, 2.5)
+    assert tunables.from_environ({"FSDPKIT_PYTHON_ROW_HASH": "0"}).python_row_hash is False
 
 
 @pytest.mark.parametrize(("env", "text", "accepts"), [
     ("FSDPKIT_REMOTE_PART_BYTES", "abc", "bytes >= 5 MiB"),
     ("FSDPKIT_REMOTE_PART_BYTES", "1MiB", "bytes >= 5 MiB"),  # below S3's smallest part
-    ("FSDPKIT_WRITEBACK_BYTES", "-1", "bytes >= 0"),
-    ("FSDPKIT_DIRECT_IO", "maybe", "0 or 1"),
+    ("FSDPKIT_READ_RESTART_BYTES", "-1", "bytes >= 0"),
+    ("FSDPKIT_PYTHON_ROW_HASH", "maybe", "0 or 1"),
     ("FSDPKIT_STAGING_THREADS", "two", "threads >= 1"),
     ("FSDPKIT_STAGING_THREADS", "0", "threads >= 1"),
     ("FSDPKIT_EXPORT_READ_AHEAD", "2.5", "blocks >= 1"),
@@ -76,27 +77,28 @@ def test_the_fsdpkit_command_stops_at_a_malformed_variable(tmp_path, monkeypatch
 
 
 def test_override_reaches_code_that_reads_at_use_and_ends_with_the_block(tune):
-    default = tunables.current().write_piece_bytes
-    calls: list[bytes] = []
-    with tunables.override(write_piece_bytes=4) as tuned:
-        assert tuned is tunables.current() and tuned.write_piece_bytes == 4
-        page_cache.write_in_pieces(lambda b: calls.append(bytes(b)), memoryview(b"abcdefghij"))
-        with tunables.override(direct_io=False):
-            assert not direct_io.enabled() and tunables.current().write_piece_bytes == 4
-    assert calls == [b"abcd", b"efgh", b"ij"]
-    assert tunables.current().write_piece_bytes == default
-    tune(write_piece_bytes=0)  # the fixture: until the test ends
-    assert tunables.current().write_piece_bytes == 0
+    default = tunables.current().read_restart_bytes
+    with tunables.override(read_restart_bytes=4096) as tuned:
+        assert tuned is tunables.current() and tuned.read_restart_bytes == 4096
+        reader = page_cache.SequentialReader(__file__)  # reads its restart size when made
+        with tunables.override(python_row_hash=True):
+            assert tunables.current().python_row_hash and tunables.current().read_restart_bytes == 4096
+    assert reader._restart == 4096
+    reader.close()
+    assert tunables.current().read_restart_bytes == default
+    tune(read_restart_bytes=0)  # the fixture: until the test ends
+    assert tunables.current().read_restart_bytes == 0
 
 
 def test_override_checks_names_and_values():
-    with pytest.raises(TypeError, match="write_piece_byte"), tunables.override(write_piece_byte=4):
+    with pytest.raises(TypeError, match="read_restart_byte"), tunables.override(read_restart_byte=4):
         pass
     with pytest.raises(ValueError, match=r"remote_part_bytes=1048576 \(FSDPKIT_REMOTE_PART_BYTES\) is not accepted"):
         with tunables.override(remote_part_bytes=1 << 20):
             pass
-    with pytest.raises(ValueError, match=r"direct_io=0 \(FSDPKIT_DIRECT_IO\) is not accepted: it takes True or False"):
-        with tunables.override(direct_io=0):
+    with pytest.raises(ValueError, match=r"python_row_hash=0 \(FSDPKIT_PYTHON_ROW_HASH\) is not accepted: it takes "
+                                         r"True or False"):
+        with tunables.override(python_row_hash=0):
             pass
 
 

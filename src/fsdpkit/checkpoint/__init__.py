@@ -16,12 +16,12 @@ Reading order for a newcomer. The core, first:
   manifest.py     manifest.json (with manifest_schema.py, its shape) and layout.py, the commit primitives
   state.py        what a checkpoint holds, gathered from and restored into the run
   hashing.py      file and tensor checksums (row hash: _rowhash.c)
-  io.py           the I/O seam: `checkpoint.io` chooses DCP's own writer and reader (plain) or the fast paths
+  io.py           the I/O seam: DCP's own writer with file checksums; `checkpoint.io` chooses the reader
 Then, as needed: ownership.py and object_lock.py (one run per directory), retention.py, preemption.py,
 async_save.py and staging.py (background saves), full.py (`state_dict_type: full`), safe_io.py and
 torch_save.py (loading without running a checkpoint's code), storage.py, safe_fsspec.py, multipart.py
-and mirror.py (object storage). The fast paths behind io.py: direct_io.py (O_DIRECT), page_cache.py,
-writeback.py, verified_read.py (one hashed read per file).
+and mirror.py (object storage). The fast reader behind io.py: verified_read.py (one hashed read per
+file), with torch_save.py and page_cache.py (sequential reads).
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ import torch
 import torch.distributed as tdist
 
 from fsdpkit import watchdog
-from fsdpkit.checkpoint.io import FAST
 from fsdpkit.checkpoint.layout import CkptPath
 from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.save import Snapshot, capture, stage_hashing, write_snapshot
@@ -77,9 +76,8 @@ class AsyncSaver:
     """Stages state into a reused host buffer and writes it on one background thread."""
 
     def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1, background_staging: bool = False,
-                 mirror: Mirror | None = None, io: str = FAST):
+                 mirror: Mirror | None = None):
         self.group, self.thread_count, self.background_staging = group, thread_count, background_staging
-        self.io = io  # checkpoint.io: the writer (io.py)
         self.mirror = mirror  # the owning Checkpointer's checkpoint.local_dir copy, if any
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
         threads = copy_threads()  # a blocking host copy on this many threads (see staging.py)
@@ -145,7 +143,7 @@ class AsyncSaver:
                     finally:
                         copied.set()  # an error is raised by wait(); the loop must not hang on it
                 manifest = write_snapshot(staged, ckpt_dir=ckpt_dir, group=self.group, thread_count=self.thread_count,
-                                          on_commit=on_commit, mirror=self.mirror, io=self.io)
+                                          on_commit=on_commit, mirror=self.mirror)
             finally:
                 watchdog.doing(None, slot=watchdog.BACKGROUND)
             result.background_s = time.perf_counter() - t_bg

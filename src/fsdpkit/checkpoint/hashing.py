@@ -1,10 +1,8 @@
 """Checksums: of files, computed while DCP writes them; of tensors, independent of sharding.
 
 File checksums are xxh3-64 over every byte written, recorded by a stream wrapper installed in
-DCP's FileSystemWriter, so no second read is needed. The same wrapper writes each local file with
-O_DIRECT from reused buffers (direct_io.DirectWriter: no page-cache copy, and the disk writes while
-the rest is serialised); where O_DIRECT is off or refused, it writes through the page cache and
-starts the write-back as it goes (FSDPKIT_WRITEBACK_BYTES), so that the fsync at the end waits for little.
+DCP's FileSystemWriter (`DigestFileSystem`), so no second read is needed. The bytes go to the file
+as DCP's own file system writes them (checkpoint/io.py).
 
 Tensor checksums must come out the same for any world size, since a checkpoint saved on 4 ranks
 is verified after loading on 3. FSDP2 shards dim 0, so each row lives whole on one rank; a sum
@@ -23,13 +21,12 @@ which rows and of summation order, and any changed, missing or moved part change
 
 from __future__ import annotations
 
-import io
 import mmap
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as tdist
@@ -39,24 +36,13 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdpkit import tunables
-from fsdpkit.checkpoint.direct_io import DirectWriter
-from fsdpkit.checkpoint.page_cache import SequentialReader, write_in_pieces
+from fsdpkit.checkpoint.page_cache import SequentialReader
 from fsdpkit.checkpoint.staging import copy_host, local_part
-from fsdpkit.checkpoint.writeback import WriteBack
 
 HASH_NAME = "xxh3_64"
 ROWS, LINEAR = "xxh3_64-rows", "linear"  # tensor hash algorithms (see above)
 MASK64 = (1 << 64) - 1
 READ_CHUNK_BYTES = 8 << 20
-# A checkpoint file on a local disk has its write-back started every FSDPKIT_WRITEBACK_BYTES written
-# (writeback.WriteBack) instead of all of it in the fsync that ends the file. The disk then writes
-# while the rest is serialised: 2 ranks saving 1 GiB took 0.67 s instead of 0.82 s with 64 MiB (a
-# raw write of the same bytes: 0.61 s instead of 0.70 s; medians of 8 in one process, alternating,
-# 2-core VM; bench/RESULTS.md B1 has a full run's figures).
-DIRECT_WRITERS = 2
-"""A local checkpoint file is written with O_DIRECT in blocks of FSDPKIT_DIRECT_WRITE_BUFFER_BYTES,
-this many at once while the next is filled (3 such buffers per file being written, kept for the
-next save)."""
 _GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64
 
 try:  # built by `pip install` where a C compiler is found (setup.py); optional
@@ -72,142 +58,59 @@ def native_row_hash() -> bool:
     return _native_rows_sum is not None and not tunables.current().python_row_hash
 
 
-_overlap_pool: ThreadPoolExecutor | None = None
-_overlap_lock = threading.Lock()
+class _DigestStream:
+    """Passes writes to `raw` (the file DCP's file system opened) and hashes the bytes each write
+    took; `size` and `digest()` after.
 
+    A write that fails (a full disk) is kept and raised, with the file's name, at `fileno()` (DCP's
+    fsync) or when the file ends; the writes after it are dropped. Raised from inside torch.save,
+    the error would come out as torch's "unexpected pos 628 vs 598" instead of itself."""
 
-def _hash_pool() -> ThreadPoolExecutor:
-    """Threads that hash a large write while the writing thread copies it into the file (one per
-    DCP writer thread at most is busy at a time; xxh3 and the write both release the GIL)."""
-    global _overlap_pool
-    with _overlap_lock:
-        if _overlap_pool is None:
-            _overlap_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="fsdpkit-file-hash")
-        return _overlap_pool
+    def __init__(self, raw: Any, path: Any) -> None:
+        self._raw, self._path, self._hash, self.size = raw, path, xxhash.xxh3_64(), 0
+        self.error: OSError | None = None
 
+    def write(self, b: Any) -> int:
+        data = memoryview(b).cast("B")  # count bytes, whatever the buffer's item format
+        if self.error is not None:
+            return len(data)
+        try:
+            n = self._raw.write(data)
+        except OSError as exc:
+            exc.add_note(f"fsdpkit: while writing checkpoint file {self._path}")
+            self.error = exc
+            return len(data)
+        n = len(data) if n is None else n
+        self._hash.update(data[:n])
+        self.size += n
+        return n
 
-class _HashingStream(io.RawIOBase):
-    """Passes writes through to `raw` and hashes them; reports (size, digest) on close.
-
-    Through a DirectWriter (below), each piece is hashed from torch.save's memory right before it
-    is copied into the O_DIRECT staging buffer, so the copy reads it from the CPU's cache: one read
-    of that memory instead of two (see DirectWriter). Otherwise a write of OVERLAP_BYTES or more is
-    hashed on another thread while this one writes it. Either way `write` returns only when the
-    bytes are hashed: the caller (torch.save) may free or reuse the buffer as soon as it returns,
-    so the hash never reads it later.
-
-    A write that fails (a full disk) is raised at `fileno()` or `close()`, and the writes after it
-    are dropped: raised from inside torch.save, the error would surface as torch's "unexpected
-    pos" instead of itself.
-
-    `raw` is a new file, written from its start. Where it is local (`path` given, `raw` has a
-    descriptor) and takes O_DIRECT, the bytes go to it through a DirectWriter; `fileno()`, which
-    DCP calls to fsync the file after its last item, first writes what is staged. Otherwise they
-    reach `raw` in pieces of FSDPKIT_WRITE_PIECE_BYTES at most, and where `raw` has a
-    descriptor, the write-back of every FSDPKIT_WRITEBACK_BYTES written is started as the writing goes on
-    (the offsets are the byte counts)."""
-
-    OVERLAP_BYTES = 1 << 20
-
-    def __init__(self, raw, on_close, path: Path | None = None):
-        super().__init__()
-        self._raw, self._on_close, self._hash, self._size = raw, on_close, xxhash.xxh3_64(), 0
-        self._path, self._error, self._abandoned = path, None, False
-        fd = _descriptor(raw)
-        tuned = tunables.current()
-        self._direct = (DirectWriter(path, buffer_bytes=tuned.direct_write_buffer_bytes, writers=DIRECT_WRITERS,
-                                     fd=fd, digest=self._hash)
-                        if path is not None and fd is not None else None)
-        if self._direct is not None and not self._direct.direct:  # O_DIRECT off or refused here
-            self._direct.abort()
-            self._direct = None
-        self._writeback = WriteBack(fd if self._direct is None else None, tuned.writeback_bytes)
+    def digest(self) -> str:
+        return self._hash.hexdigest()
 
     def writable(self) -> bool:
         return True
 
-    def write(self, b) -> int:
-        data = memoryview(b).cast("B")  # count and hash bytes, whatever the buffer's item format
-        if self._error is not None:
-            return len(data)
-        try:
-            return self._write(data)
-        except OSError as exc:
-            exc.add_note(f"fsdpkit: while writing checkpoint file {self._path or self._raw}")
-            self._error = exc
-            return len(data)
-
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            if self._direct is not None:
-                self._direct.abort()
-            raise self._error
-
-    def _write(self, data: memoryview) -> int:
-        if self._direct is not None:  # it hashes each piece as it stages it
-            self._direct.write(data)
-            n = len(data)
-        elif len(data) < self.OVERLAP_BYTES:
-            n = write_in_pieces(self._raw.write, data)
-            self._hash.update(data[:n])
-        else:
-            before = self._hash.copy()
-            hashed = _hash_pool().submit(self._hash.update, data)
-            try:
-                n = write_in_pieces(self._raw.write, data)
-            finally:
-                hashed.result()
-            if n != len(data):  # a short write: hash what reached the file, not what was offered
-                before.update(data[:n])
-                self._hash = before
-        self._size += n
-        self._writeback.written_to(self._size)
-        return n
-
-    def tell(self) -> int:
-        return self._size if self._direct is not None else self._raw.tell()
-
     def fileno(self) -> int:
-        self._raise_error()
-        if self._direct is not None:  # the caller is about to fsync: every byte goes to the file first
-            self._direct.finish()
+        self.raise_error()
         return self._raw.fileno()
 
     def flush(self) -> None:
-        if self._error is None and not self._abandoned:  # after a failure, the file is abandoned
+        if self.error is None:  # after a failure, the file is abandoned
             self._raw.flush()
 
-    def close(self) -> None:
-        """Write what is staged and record size and checksum; raises a failed write's error."""
-        if self.closed:
-            return
-        try:
-            self._raise_error()
-            if self._direct is not None:
-                self._direct.close(fsync=False)  # DCP fsyncs through fileno() (sync_files)
-            self._on_close(self._size, self._hash.hexdigest())
-        finally:
-            super().close()
+    def raise_error(self) -> None:
+        if self.error is not None:
+            raise self.error
 
-    def abort(self) -> None:
-        """Close after a failure: nothing staged is written, no checksum recorded."""
-        if self._direct is not None:
-            self._direct.abort()
-        self._abandoned = True  # no flush of what the failure left
-        super().close()
+    def __getattr__(self, name: str) -> Any:  # tell, close...: the file's own
+        return getattr(self._raw, name)
 
 
-def _descriptor(stream) -> int | None:
-    """The OS file descriptor under `stream`, or None (an object-store stream has none)."""
-    try:
-        return stream.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
-        return None
-
-
-class HashingFileSystem(FileSystemBase):
-    """A DCP FileSystem (`base`: the local one by default, or DCP's fsspec one for URLs) that
-    records size and checksum of every file it writes; everything else is `base`'s."""
+class DigestFileSystem(FileSystemBase):
+    """A DCP FileSystem (`base`: DCP's local one by default, or its fsspec one for URLs) that
+    records size and xxh3-64 of every file it writes in `files`, by name (`.metadata.tmp` as
+    `.metadata`, the name DCP renames it to); everything else is `base`'s."""
 
     def __init__(self, *, base: FileSystemBase | None = None) -> None:
         super().__init__()
@@ -241,25 +144,18 @@ class HashingFileSystem(FileSystemBase):
         return self.base.ls(path)
 
     @contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+    def create_stream(self, path, mode: str) -> Iterator[Any]:
         if "w" not in mode:
             with self.base.create_stream(path, mode) as stream:
                 yield stream
             return
-        name = Path(path).name.removesuffix(".tmp")  # DCP writes .metadata.tmp, then renames
-
-        def record(size: int, digest: str) -> None:
-            with self._lock:
-                self.files[name] = {"size": size, HASH_NAME: digest}
-
         with self.base.create_stream(path, mode) as raw:
-            stream = _HashingStream(raw, record, Path(path) if isinstance(self.base, FileSystem) else None)
-            try:
-                yield stream
-            except BaseException:
-                stream.abort()
-                raise
-            stream.close()
+            stream = _DigestStream(raw, path)
+            yield stream  # a stream for all DCP does with it (write, tell, fileno, flush)
+            stream.raise_error()  # a failed write fails the file: the base abandons it, no checksum
+        name = Path(path).name.removesuffix(".tmp")
+        with self._lock:  # only a file written to its end (no exception above) is recorded
+            self.files[name] = {"size": stream.size, HASH_NAME: stream.digest()}
 
 
 _crc_lock = threading.Lock()

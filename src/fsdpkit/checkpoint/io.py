@@ -1,35 +1,31 @@
-"""The I/O seam: which DCP writer and reader move a checkpoint's bytes (`checkpoint.io`).
+"""The I/O seam: the DCP writer that moves a checkpoint's bytes, and the reader `checkpoint.io` chooses.
 
-Two choices, the same files and checksums either way (docs/checkpoint-format.md):
+One writer: DCP's own FileSystemWriter (fsspec writer for a URL: safe_fsspec.py) with its file
+system wrapped by hashing.DigestFileSystem, which records xxh3-64 over every byte written, the
+digest the manifest records (docs/checkpoint-format.md). Nothing in it is tuned to a machine.
 
-- `plain`: DCP's own FileSystemWriter and file system, each written stream wrapped only by
-  `_DigestStream` (xxh3-64 over every byte written, the digest the manifest records). A load
-  checks every file's checksum in a pass of its own first (resume.verify_files), then reads with
-  fsdpkit's safe FileSystemReader (safe_io.py). Nothing here is tuned to a machine.
-- `fast` (default): the local fast paths. Writing through hashing.HashingFileSystem (O_DIRECT
-  via direct_io.py, or page-cache pieces with write-back hints: page_cache.py, writeback.py);
-  reading through verified_read.VerifyingFileSystemReader (one read per file, hashed as it is read).
+Two readers (`checkpoint.io`), the same checkpoint either way:
 
-A URL checkpoint (object storage) takes DCP's fsspec writer and reader (safe_fsspec.py) with
-either choice. save.py and resume.py ask this module; they name no fast path themselves.
+- `fast` (default): verified_read.VerifyingFileSystemReader, one read per file, each file's
+  checksum computed from that read.
+- `plain`: a load checks every file's checksum in a pass of its own first (resume.verify_files),
+  then reads with fsdpkit's safe FileSystemReader (safe_io.py), DCP's reader without its pickle.
+
+A URL checkpoint (object storage) takes DCP's fsspec reader (safe_fsspec.py) with either choice.
+save.py and resume.py ask this module; they name no reader themselves.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as tdist
-import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-from fsdpkit.checkpoint.dcp_storage import hashing_writer as fast_writer
 from fsdpkit.checkpoint.dcp_storage import safe_reader
-from fsdpkit.checkpoint.hashing import HASH_NAME
+from fsdpkit.checkpoint.hashing import DigestFileSystem
 from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.storage import RemotePath, is_url
 from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader
@@ -43,61 +39,15 @@ def _check(io: str) -> None:
         raise ValueError(f"checkpoint.io is {io!r}; expected one of {', '.join(CHOICES)}")
 
 
-class _DigestStream:
-    """Passes writes to `raw` and hashes the bytes each write took; `size` and `digest()` after."""
-
-    def __init__(self, raw: Any) -> None:
-        self._raw, self._hash, self.size = raw, xxhash.xxh3_64(), 0
-
-    def write(self, b: Any) -> int:
-        data = memoryview(b).cast("B")  # count bytes, whatever the buffer's item format
-        n = self._raw.write(data)
-        n = len(data) if n is None else n
-        self._hash.update(data[:n])
-        self.size += n
-        return n
-
-    def digest(self) -> str:
-        return self._hash.hexdigest()
-
-    def writable(self) -> bool:
-        return True
-
-    def __getattr__(self, name: str) -> Any:  # tell, fileno (DCP's fsync), flush...: the file's own
-        return getattr(self._raw, name)
-
-
-class DigestFileSystem(FileSystem):
-    """DCP's local FileSystem that records size and xxh3-64 of every file it writes in `files`
-    (by name; `.metadata.tmp` is recorded as `.metadata`, the name DCP renames it to)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.files: dict[str, dict[str, int | str]] = {}
-        self._lock = threading.Lock()
-
-    @contextmanager
-    def create_stream(self, path: str | Path, mode: str) -> Iterator[Any]:
-        if "w" not in mode:
-            with super().create_stream(path, mode) as stream:
-                yield stream
-            return
-        with super().create_stream(path, mode) as raw:
-            stream = _DigestStream(raw)
-            yield stream  # a stream for all DCP does with it (write, tell, fileno, flush)
-        name = Path(path).name.removesuffix(".tmp")
-        with self._lock:  # only a file written to its end (no exception above) is recorded
-            self.files[name] = {"size": stream.size, HASH_NAME: stream.digest()}
-
-
-def hashing_writer(into: Path | RemotePath, *, io: str = FAST, thread_count: int,
-                   mirror: Mirror | None = None) -> tuple[FileSystemWriter, Any]:
+def hashing_writer(into: Path | RemotePath, *, thread_count: int,
+                   mirror: Mirror | None = None) -> tuple[FileSystemWriter, DigestFileSystem]:
     """(DCP writer into `into`, its file system): after dcp.save, `fs.files` holds every written
-    file's size and checksum. `io`: `plain` or `fast` (module docstring); a URL `into` takes the
-    fsspec writer either way (teed into `mirror`, if given)."""
-    _check(io)
-    if io == FAST or isinstance(into, RemotePath):
-        return fast_writer(into, thread_count=thread_count, mirror=mirror)
+    file's size and checksum. A URL `into` takes DCP's fsspec writer (teed into `mirror`, the
+    Checkpointer's checkpoint.local_dir, if given)."""
+    if isinstance(into, RemotePath):
+        from fsdpkit.checkpoint.safe_fsspec import fsspec_writer
+
+        return fsspec_writer(into, thread_count=thread_count, mirror=mirror)
     fs = DigestFileSystem()
     writer = FileSystemWriter(into, sync_files=True, thread_count=thread_count)
     writer.fs = fs

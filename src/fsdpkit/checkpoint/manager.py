@@ -244,7 +244,7 @@ class Checkpointer:
         self._fingerprint: dict[str, Any] | None = None
         self._mirror_of: tuple[CkptPath, CkptPath] | None = None  # (local copy, remote checkpoint) resumed from
         self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror,
-                                  io=c.io, background_staging=c.async_staging == "background")
+                                  background_staging=c.async_staging == "background")
                        if c.async_save else None)
 
     @classmethod
@@ -447,7 +447,7 @@ class Checkpointer:
         else:
             manifest = save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
                                        thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
-                                       on_commit=self._retain, mirror=self.mirror, io=self.cfg.io)
+                                       on_commit=self._retain, mirror=self.mirror)
             stall = time.perf_counter() - t0
             self._report(SaveResult(step=step, path=path, mode="sync", reason=reason, stall_s=stall, manifest=manifest))
         self.last_saved_step = step
@@ -521,7 +521,7 @@ class Checkpointer:
             meta = self._meta(step, None) | {"reason": "exception", "exception": f"{type(error).__name__}: {error}"}
             save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
                             thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
-                            mirror=self.mirror, io=self.cfg.io)
+                            mirror=self.mirror)
             log.error("saved the state at step %d to %s; the original error follows", step, path)
         except Exception as e:  # noqa: BLE001
             log.error("saving on_exception failed (%s); the original error follows", e)

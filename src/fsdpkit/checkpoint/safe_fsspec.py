@@ -12,7 +12,7 @@ from pathlib import Path
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DcpFsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from fsdpkit.checkpoint.hashing import HashingFileSystem
+from fsdpkit.checkpoint.hashing import DigestFileSystem
 from fsdpkit.checkpoint.mirror import Mirror, TeeStream
 from fsdpkit.checkpoint.multipart import OverlappedUpload, is_s3
 from fsdpkit.checkpoint.safe_io import SafeMetadataReading
@@ -65,7 +65,7 @@ class UploadingFileSystem(DcpFsspecFileSystem):
 
 
 def fsspec_writer(into: RemotePath, *, thread_count: int,
-                  mirror: Mirror | None = None) -> tuple[FsspecWriter, HashingFileSystem]:
+                  mirror: Mirror | None = None) -> tuple[FsspecWriter, DigestFileSystem]:
     """A DCP writer into `into` whose files are checksummed as they stream out. sync_files=False:
     an object is durable once its upload completes (on close); DCP would otherwise call os.sync()
     for every file, since a network stream has no fileno to fsync. S3 files upload several parts at
@@ -74,6 +74,6 @@ def fsspec_writer(into: RemotePath, *, thread_count: int,
     writer = FsspecWriter(into.url, sync_files=False, thread_count=thread_count)
     uploads = UploadingFileSystem()
     uploads.fs, uploads.mirror = into.fs, (mirror.start_writing(into) if mirror is not None else None)
-    fs = HashingFileSystem(base=uploads)
+    fs = DigestFileSystem(base=uploads)
     writer.fs = fs
     return writer, fs

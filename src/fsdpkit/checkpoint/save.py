@@ -33,7 +33,7 @@ from fsdpkit.checkpoint.hashing import (
     tensor_hashes,
     zip_crc32_off,
 )
-from fsdpkit.checkpoint.io import FAST, hashing_writer
+from fsdpkit.checkpoint.io import hashing_writer
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, publish_latest, swap_in
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
 from fsdpkit.checkpoint.mirror import Mirror
@@ -170,7 +170,6 @@ def save_checkpoint(
     state_dict_type: str = "sharded",
     on_commit: Callable[[CkptPath], None] | None = None,
     mirror: Mirror | None = None,
-    io: str = FAST,
 ) -> dict[str, Any]:
     """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest (rank 0) or
     {"step", "bytes_per_rank"} (other ranks).
@@ -183,7 +182,6 @@ def save_checkpoint(
         on_commit: run on rank 0 with the committed path right after `latest` moved (retention),
             before the final agreement.
         mirror: the local copy (checkpoint.local_dir) a remote sharded save's files are teed into.
-        io: `plain` or `fast` (checkpoint.io): how a sharded save's files are written (io.py).
     Raises:
         CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
     """
@@ -191,7 +189,7 @@ def save_checkpoint(
     snapshot = capture(target, step=step, meta=meta, rank=rank)
     if state_dict_type != "full":
         return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit,
-                              mirror=mirror, io=io)
+                              mirror=mirror)
 
     if "state" in snapshot.state:
         raise CheckpointSaveError("strategy.state_dict_type=full cannot hold tensors in the checkpoint `state` "
@@ -205,16 +203,16 @@ def save_checkpoint(
 
 
 def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup | None, thread_count: int = 1,
-                   on_commit: Callable[[CkptPath], None] | None = None, mirror: Mirror | None = None,
-                   io: str = FAST) -> dict[str, Any]:
+                   on_commit: Callable[[CkptPath], None] | None = None,
+                   mirror: Mirror | None = None) -> dict[str, Any]:
     """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
     Safe to run on a background thread when `group` is used by nothing else meanwhile. A remote
-    checkpoint's files are also written to `mirror`, if given (mirror.py). `io`: the writer
-    (checkpoint.io, io.py)."""
+    checkpoint's files are also written to `mirror`, if given (mirror.py). The files go through
+    io.hashing_writer."""
 
     # every rank writes its shards through DCP
     def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        writer, fs = hashing_writer(into, io=io, thread_count=thread_count, mirror=mirror)
+        writer, fs = hashing_writer(into, thread_count=thread_count, mirror=mirror)
         with zip_crc32_off():
             dcp.save(snapshot.state, storage_writer=writer, process_group=group)
         return _gather(fs.files, group), {}

@@ -325,10 +325,10 @@ class CheckpointConfig:
     thread_count: int = 1
     """Writer threads per rank (DCP FileSystemWriter)."""
     io: str = "fast"
-    """How a local sharded checkpoint's bytes are written and read (the same files and checksums
-    either way): `fast` (O_DIRECT or page-cache writes with write-back hints; one read per file that
-    checks its checksum while loading) or `plain` (DCP's own file-system writer and reader, with
-    xxh3 file checksums computed while writing and checked in a pass of their own before loading)."""
+    """How a local sharded checkpoint is read when loaded (every save writes through DCP's own
+    file-system writer, with xxh3 file checksums computed while writing): `fast` (one read per file
+    that checks its checksum while loading) or `plain` (DCP's own file-system reader, after a pass
+    of its own that checks every file's checksum). Object storage is always read the plain way."""
     async_save: bool = False
     """Save in the background (`checkpoint.async` is accepted as an alias): the step blocks only
     while the state is copied into a reused host buffer (pinned on CUDA); writing, checksums and the

@@ -2,16 +2,13 @@
 
 Tensors are read a block of rows at a time (FSDPKIT_EXPORT_BLOCK_BYTES, 16 MiB), converted to the
 output dtype and appended to the output file, with the next FSDPKIT_EXPORT_READ_AHEAD blocks read on
-as many threads while the current one is written (local files with O_DIRECT:
-fsdpkit.checkpoint.direct_io; the tunables are in fsdpkit.tunables). Peak memory is a few blocks
-whatever the model size: about 3 x READ_AHEAD + WRITE_THREADS + 3 of them (READ_AHEAD + 2 more when
-converting dtypes: read rings, a bounce buffer per read thread for O_DIRECT, WRITE_THREADS + 1
-write buffers). Four blocks read ahead keep an O_DIRECT read queue deep enough (2 GiB on a 2-core
-VM: 2.4-2.6 s with 4, 2.9 s with 2 on one day; on a par, 3.1 s, on another, when reads and writes
-shared the disk's budget). Tensors that transformers stores in
-another layout than it holds in memory (fused MoE experts, see fsdpkit.export.hub_layout) are the
-exception: each is read whole, one group at a time, and converted by transformers' own reverse
-operations, so the files hold what `save_pretrained` writes. The output (weights, config.json,
+as many threads while the current one is written (local files are read with pread and written
+with ordinary writes, then fsynced; the tunables are in fsdpkit.tunables). Peak memory is a few
+blocks whatever the model size: a ring of READ_AHEAD + 2 of them, and as many more when converting
+dtypes. Tensors that transformers stores in another layout than it holds in memory (fused MoE
+experts, see fsdpkit.export.hub_layout) are the exception: each is read whole, one group at a time,
+and converted by transformers' own reverse operations, so the files hold what `save_pretrained`
+writes. The output (weights, config.json,
 generation_config.json, the tokenizer: fsdpkit.export.hf_folder) is written under a temporary name
 beside the target and renamed into place when complete (files fsynced first), so a reader never
 sees half an export.

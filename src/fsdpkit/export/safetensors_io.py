@@ -15,7 +15,9 @@ metadata), so the header goes first and the tensors follow piece by piece.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import struct
 import sys
 from collections.abc import Iterable
@@ -24,8 +26,6 @@ from pathlib import Path
 
 import torch
 
-from fsdpkit import tunables
-from fsdpkit.checkpoint.direct_io import DirectWriter
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -161,10 +161,8 @@ class StreamingSafetensorsWriter:
         self.data_bytes = position
         self.file_bytes = 8 + len(encoded) + position
         self._next = 0
-        tuned = tunables.current()
-        self._out = DirectWriter(path, buffer_bytes=tuned.export_block_bytes, writers=tuned.export_write_threads,
-                                 flush_bytes=tuned.export_flush_bytes, direct=tuned.export_direct_io)
-        self._out.write(torch.frombuffer(bytearray(struct.pack("<Q", len(encoded)) + encoded), dtype=torch.uint8))
+        self._out = path.open("wb")  # noqa: SIM115 (closed by close() or abort())
+        self._out.write(struct.pack("<Q", len(encoded)) + encoded)
 
     def write_tensor(self, name: str, pieces: Iterable[torch.Tensor]) -> None:
         """Append `name`'s bytes; `pieces` are consecutive row blocks (already in the file's dtype)."""
@@ -174,7 +172,7 @@ class StreamingSafetensorsWriter:
         written = 0
         for piece in pieces:
             flat = piece.detach().contiguous().reshape(-1).view(torch.uint8)
-            self._out.write(flat)
+            self._out.write(memoryview(flat.numpy()))
             written += flat.numel()
         if written != expected:
             raise AssertionError(f"{name}: wrote {written} bytes, the header promised {expected}")
@@ -183,10 +181,15 @@ class StreamingSafetensorsWriter:
     def close(self) -> None:
         """Check completeness, fsync and close. Raises AssertionError if a tensor is missing."""
         if self._next != len(self._sizes):
-            self._out.abort()
+            self._out.close()
             raise AssertionError(f"{self.path}: {len(self._sizes) - self._next} tensor(s) were never written")
-        self._out.close()
+        try:
+            self._out.flush()
+            os.fsync(self._out.fileno())
+        finally:
+            self._out.close()
 
     def abort(self) -> None:
         """Close without checks (the caller is failing and removes the file)."""
-        self._out.abort()
+        with contextlib.suppress(OSError):  # what is left unwritten (a full disk) goes with the file
+            self._out.close()

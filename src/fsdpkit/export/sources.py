@@ -22,8 +22,6 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from fsdpkit import tunables
-from fsdpkit.checkpoint.direct_io import DirectReader
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest import read_manifest
@@ -108,13 +106,16 @@ def _as_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _open_file_limit() -> int:
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return 512
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+def _pread_into(fd: int, t: torch.Tensor, offset: int) -> int:
+    """Read `t.nbytes` bytes at `offset` into contiguous `t` (pread: no shared file position, so
+    threads may read one file at once); returns how many the file had (fewer at its end)."""
+    view, done = memoryview(_as_bytes(t)), 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
 
 
 def _ranged_get_into(obj: RemotePath, t: torch.Tensor, offset: int, *, what: str) -> None:
@@ -179,11 +180,6 @@ class DcpSource:
                          for k, md in self.metadata.state_dict_metadata.items()
                          if isinstance(md, TensorStorageMetadata)}
         self._files: dict[str, Any] = {}
-        self._readers: dict[str, DirectReader] = {}  # local files: O_DIRECT reads (fsdpkit.checkpoint.direct_io)
-        # An O_DIRECT reader holds a second descriptor per file: only where every file's two fit
-        # well within the open-file limit (a checkpoint of thousands of ranks reads through one).
-        files = {info.relative_path for info in self.metadata.storage_data.values()}
-        self._direct = tunables.current().export_direct_io and 2 * len(files) + 256 <= _open_file_limit()
         self._payloads: dict[tuple[str, tuple[int, ...]], TensorPayload] = {}
         self._whole: tuple[str, torch.Tensor] | None = None  # the last tensor assembled whole
         # read_rows may run on several threads: data is read with pread (no shared file position),
@@ -217,10 +213,6 @@ class DcpSource:
                 self._files[relative] = path.open("rb")  # noqa: SIM115 (closed in close())
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"{path} is missing; the checkpoint is incomplete") from None
-            if isinstance(path, Path):
-                self._readers[relative] = DirectReader(path, self._files[relative].fileno(),
-                                                       bounce_bytes=tunables.current().export_block_bytes,
-                                                       direct=self._direct)
         return self._files[relative]
 
     def payload(self, key: str, chunk: Chunk) -> TensorPayload:
@@ -278,8 +270,7 @@ class DcpSource:
             self._file(relative)  # a missing object fails here, named
             _ranged_get_into(self.path / relative, t, offset, what=what)
         else:
-            self._file(relative)
-            missing = t.nbytes - self._readers[relative].pread_into(t, offset)
+            missing = t.nbytes - _pread_into(self._file(relative).fileno(), t, offset)
             if missing:
                 raise CheckpointCorruptError(f"{what}: the file ends {missing} bytes early (truncated)")
 
@@ -317,9 +308,6 @@ class DcpSource:
         return self._whole[1]
 
     def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
-        self._readers.clear()
         for f in self._files.values():
             f.close()
         self._files.clear()
