@@ -62,3 +62,34 @@ def test_imports_point_one_way(package, forbidden):
 
 def test_plot_command_imports_matplotlib_and_torch_lazily():
     assert not [m for m in _imports(SRC / "cli" / "plot.py") if m.startswith(("matplotlib", "torch"))]
+
+
+def test_activation_checkpointing_is_exact_and_survives_a_deep_copy():
+    """A checkpointed layer computes what it computed before (forward and gradients, bit for bit),
+    and a deep copy of the model (an EMA, a teacher) recomputes its own layers, not the original's."""
+    import copy
+
+    from fsdpkit.parallel.fsdp import checkpoint_activations
+
+    torch.manual_seed(0)
+    cfg = compose_config(["model.vocab_size=64", "model.hidden_size=32", "model.intermediate_size=64"])
+    model = build_model(cfg.model)
+    x = torch.randint(0, 64, (2, 8))
+
+    def run(m):
+        m.zero_grad()
+        out = m(x)
+        out.square().mean().backward()
+        return out.detach(), [p.grad.clone() for p in m.parameters()]
+
+    before, grads = run(model)
+    for layer in model.model.layers:
+        checkpoint_activations(layer)
+    after, grads_after = run(model)
+    assert torch.equal(before, after) and all(map(torch.equal, grads, grads_after))
+
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in model.model.layers.parameters():
+            p.zero_()  # the original changes; the copy must not follow it
+    assert torch.equal(twin(x), after)

@@ -14,8 +14,8 @@ The order is fixed and matters (as in torchtitan):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
+import types
 from dataclasses import dataclass
 
 import torch
@@ -123,17 +123,17 @@ def apply_fsdp(model: nn.Module, cfg: Config, *, mesh: DeviceMesh) -> ShardingPl
 RECOMPUTES = "_fsdpkit_recomputes_activations"  # set on a module by checkpoint_activations (read by diagnostics)
 
 
+def _recomputed_in_backward(self: nn.Module, *args, **kwargs):
+    """`self`'s class forward under non-reentrant `torch.utils.checkpoint` (checkpoint_activations)."""
+    return checkpoint(type(self).forward, self, *args, use_reentrant=False, **kwargs)
+
+
 def checkpoint_activations(module: nn.Module) -> None:
-    """Keep only `module`'s inputs in forward and recompute the rest in backward: its forward (the
+    """Keep only `module`'s inputs in forward and recompute the rest in backward: its forward (an
     instance attribute, so names, hooks and the class stay) runs under non-reentrant
-    `torch.utils.checkpoint`, which restores the RNG state for the recompute."""
-    forward = module.forward
-
-    @functools.wraps(forward)
-    def recomputed_in_backward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = recomputed_in_backward
+    `torch.utils.checkpoint`, which restores the RNG state for the recompute. A bound method, not
+    a closure: a deep copy of the model (an EMA, a teacher) recomputes its own layers."""
+    module.forward = types.MethodType(_recomputed_in_backward, module)
     setattr(module, RECOMPUTES, True)
 
 
