@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+import zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,12 +29,11 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = 600, env: di
     which saves torch.distributed.run's own process, ~3 CPU-s and ~3 s per call. `elastic=True` goes
     through torch.distributed.run, for scripts that users launch with torchrun themselves.
     """
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     if not elastic:
-        return _launch_ranks(nproc, [sys.executable, str(script), *args], env=full_env, timeout=timeout)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(script), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+        return _launch_ranks(nproc, [sys.executable, str(script), *args], env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                                              **(env or {})}, timeout=timeout)
+    proc = run_python("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script), *args,
+                      env=env, timeout=timeout)
     if proc.returncode != 0:
         pytest.fail(f"torchrun {script.name} {' '.join(args)} failed ({proc.returncode}):\n"
                     f"{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
@@ -43,35 +44,33 @@ def _launch_ranks(nproc: int, cmd: list[str], *, env: dict, timeout: float) -> s
     """Start `cmd` once per rank with the variables torchrun gives a single-node worker (no
     TORCHELASTIC_*: fsdpkit then uses the plain env:// rendezvous), wait for all; when one fails, or at
     `timeout`, kill every rank (and its children: each rank leads its own session) and fail the test
-    with each rank's exit code or signal and output. Returns all ranks' output, rank by rank."""
+    with each rank's exit code or signal and output. Returns all ranks' output, rank by rank.
+    Each rank is forked from the test zygote where its environment allows (tests/zygote.py)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks: list[tuple[subprocess.Popen, object]] = []
-    try:
-        for rank in range(nproc):
-            log = tempfile.TemporaryFile()  # a file, not a pipe: a chatty rank never blocks on a full pipe
-            rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                        "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
-            ranks.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env, cwd=ROOT,
-                                           start_new_session=True), log))
-        deadline = time.monotonic() + timeout
-        while (codes := [p.poll() for p, _ in ranks]).count(0) < nproc:
-            if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    finally:
-        codes = [p.poll() for p, _ in ranks]
-        for p, _ in ranks:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-    outputs = []
-    for _, log in ranks:
-        log.seek(0)
-        outputs.append(log.read().decode(errors="replace"))
-        log.close()
+    ranks: list[_Process] = []
+    with tempfile.TemporaryDirectory(prefix="ranks-") as logs:
+        try:
+            for rank in range(nproc):
+                # a file, not a pipe: a chatty rank never blocks on a full pipe
+                log = Path(logs) / f"rank{rank}.log"
+                rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                            "MASTER_PORT": str(port), "PYTHONUNBUFFERED": "1"}
+                ranks.append(_start(cmd, env=rank_env, cwd=ROOT, stdout=log, stderr=log))
+            deadline = time.monotonic() + timeout
+            while (codes := [p.poll() for p in ranks]).count(0) < nproc:
+                if any(c not in (None, 0) for c in codes) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            codes = [p.poll() for p in ranks]
+            for p in ranks:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        outputs = [(Path(logs) / f"rank{r}.log").read_text(errors="replace") for r in range(nproc)]
     if codes.count(0) == nproc:
         return subprocess.CompletedProcess(cmd, 0, stdout="".join(outputs), stderr="")
     why = "another rank failed" if any(c not in (None, 0) for c in codes) else f"timeout after {timeout:g} s"
@@ -85,11 +84,64 @@ def _launch_ranks(nproc: int, cmd: list[str], *, env: dict, timeout: float) -> s
     pytest.fail(f"{' '.join(cmd[1:])} on {nproc} ranks failed:\n{report}")
 
 
-def fsdpkit(*args: str, timeout: float = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run the fsdpkit CLI as a user would; returns the completed process (no check)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "fsdpkit", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=cwd or ROOT)
+class _Process:
+    """A launch forked from the test zygote, or a fresh interpreter: poll, wait, pid (its session)."""
+
+    def __init__(self, pid: int, popen: subprocess.Popen | None = None) -> None:
+        self.pid, self._popen, self.returncode = pid, popen, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._popen.poll() if self._popen else zygote.get().poll(self.pid)
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.02)
+        return self.returncode
+
+
+def _start(cmd: list[str], *, env: dict, cwd: Path, stdout: Path, stderr: Path) -> _Process:
+    """`cmd` ([sys.executable, SCRIPT or -m MODULE, ARGS...]) in its own session, output appended to
+    the files; forked from the zygote unless its environment needs a fresh interpreter."""
+    stdout.touch()
+    stderr.touch()
+    if cmd[0] == sys.executable and zygote.forkable(env, zygote.get().env):
+        return _Process(zygote.get().spawn(cmd[1:], env=env, cwd=cwd, stdout=stdout, stderr=stderr))
+    with open(stdout, "ab") as out, open(stderr, "ab") as err:
+        popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd,
+                                 start_new_session=True)
+    return _Process(popen.pid, popen)
+
+
+def run_python(*argv: str, env: dict | None = None, timeout: float = 600,
+               cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """`python ARGV` (SCRIPT ARGS or -m MODULE ARGS) with OMP_NUM_THREADS=1 and `env` on top of this
+    process's environment, as subprocess.run(..., capture_output=True, text=True) would run it: forked
+    from the test zygote where the environment allows (tests/zygote.py), in its own session. Returns
+    the completed process (no check); at `timeout` the session is killed (a launcher and its ranks)
+    and subprocess.TimeoutExpired raised with the output so far."""
+    cmd = [sys.executable, *argv]
+    with tempfile.TemporaryDirectory(prefix="run-") as logs:
+        out, err = Path(logs) / "stdout", Path(logs) / "stderr"
+        proc = _start(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}, cwd=cwd or ROOT, stdout=out,
+                      stderr=err)
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out.read_text(errors="replace"),
+                                            stderr=err.read_text(errors="replace"))
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
+
+
+def fsdpkit(*args: str, timeout: float = 600, cwd: Path | None = None,
+            env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the fsdpkit CLI as a user would (`python -m fsdpkit ARGS`, see run_python); no check."""
+    return run_python("-m", "fsdpkit", *args, timeout=timeout, cwd=cwd, env=env)
 
 
 @pytest.fixture(scope="session")

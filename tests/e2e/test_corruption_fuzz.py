@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, fsdpkit  # noqa: E402
+from conftest import ROOT, fsdpkit, run_python  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 OVERRIDES = ["experiment=demo", "train.max_steps=8", "checkpoint.every_steps=4", "train.eval_every=0"]
@@ -29,10 +28,8 @@ def test_corruption_fuzz(tmp_path):
     proc = fsdpkit("train", "--nproc", "2", *OVERRIDES, f"run_dir={run}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = tmp_path / "report.json"
-    fuzz = subprocess.run([sys.executable, str(ROOT / "tests" / "fuzz" / "corruption.py"), "--run", str(run),
-                           "--count", str(COUNT), "--seed", "20261122", "--out", str(out), *OVERRIDES],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    fuzz = run_python(str(ROOT / "tests" / "fuzz" / "corruption.py"), "--run", str(run), "--count", str(COUNT),
+                      "--seed", "20261122", "--out", str(out), *OVERRIDES, timeout=900)
     print(fuzz.stdout)
     assert out.is_file(), fuzz.stderr[-4000:]
     report = json.loads(out.read_text())

@@ -5,7 +5,6 @@ when the manifest is written."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, fsdpkit  # noqa: E402
+from conftest import fsdpkit, run_python  # noqa: E402
 from faults import env as faults_env  # noqa: E402
 from faults import fired, manifest_enospc  # noqa: E402
 from fsdpkit.checkpoint.manifest import read_manifest  # noqa: E402
@@ -27,9 +26,7 @@ DEMO = ["experiment=demo", "train.eval_every=0", "train.progress=false"]
 def _train(run: Path, *overrides: str, nproc: int | None = None,
            env: dict | None = None) -> subprocess.CompletedProcess:
     launch = ["--nproc", str(nproc)] if nproc else []
-    cmd = [sys.executable, "-m", "fsdpkit", "train", *launch, *DEMO, f"run_dir={run}", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    return fsdpkit("train", *launch, *DEMO, f"run_dir={run}", *overrides, env=env)
 
 
 def _resumes(run: Path) -> list[dict]:
@@ -105,10 +102,8 @@ def test_unusable_directories_stop_before_the_first_step(tmp_path):
             assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
             assert proc.stderr.count(message) == 1
     # Under torchrun directly, every rank stops at the same check and rank 0 alone says why.
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "fsdpkit", "train", "train.max_steps=1", f"run_dir={a_file}"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_python("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "fsdpkit", "train",
+                      "train.max_steps=1", f"run_dir={a_file}", timeout=300)
     assert proc.returncode != 0 and proc.stderr.count(cases[1][1]) == 1
     assert "fsdpkit/" not in proc.stderr.replace(str(tmp_path), "")  # torchrun's own traceback only, no rank's
     assert a_file.read_text() == "mine, not fsdpkit's\n" and (tmp_path / "mine" / "notes.txt").is_file()

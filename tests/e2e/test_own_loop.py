@@ -5,16 +5,14 @@ elastically on 3, and the resume is the one the records say (step, saved world s
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT  # noqa: E402
+from conftest import ROOT, run_python  # noqa: E402
 from fsdpkit.checkpoint.manifest import read_manifest  # noqa: E402
 
 pytestmark = pytest.mark.e2e
@@ -22,10 +20,8 @@ EXAMPLE = ROOT / "examples" / "own_loop.py"
 
 
 def _run(nproc: int, ckpt_dir: Path, out: Path, *args: str) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
-           "--ckpt-dir", str(ckpt_dir), "--steps", "8", "--save-every", "4", "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_python("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(EXAMPLE),
+                      "--ckpt-dir", str(ckpt_dir), "--steps", "8", "--save-every", "4", "--out", str(out), *args)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
 
