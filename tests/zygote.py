@@ -30,8 +30,10 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+# torch._inductor.config: torch.use_deterministic_algorithms imports it (~1 CPU-s), every deterministic run.
+# Not datasets: importing it starts a native thread.
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.run",
-           "transformers", "fsdpkit.train.run", "fsdpkit.cli.main", "fsdpkit.cli.ckpt")
+           "torch._inductor.config", "transformers", "fsdpkit.train.run", "fsdpkit.cli.main", "fsdpkit.cli.ckpt")
 # Variables read when an interpreter or a native library starts, not later: a launch that sets them
 # differently from the zygote's own environment gets a fresh process.
 _AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "TORCH", "CUDA", "NCCL", "GLOO", "HF_",
