@@ -16,8 +16,8 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# Two pytest workers (pytest-xdist), each test file whole on one worker (its module fixtures run once):
-# on a 2-core machine the suite took 18.6 min in one process, 11.9 min so (much of a launch is waiting).
+# Two pytest workers (pytest-xdist), each test file whole on one worker (its module fixtures run once).
+# The suite is CPU-bound on 2 cores: three workers took 19:25 against two's 18:40 (one run each, 4f62732).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
