@@ -106,7 +106,7 @@ def _start(cmd: list[str], *, env: dict, cwd: Path, stdout: Path, stderr: Path) 
     the files; forked from the zygote unless its environment needs a fresh interpreter."""
     stdout.touch()
     stderr.touch()
-    if cmd[0] == sys.executable and zygote.forkable(env, zygote.get().env):
+    if cmd[0] == sys.executable and zygote.AVAILABLE and zygote.forkable(env, zygote.get().env):
         return _Process(zygote.get().spawn(cmd[1:], env=env, cwd=cwd, stdout=stdout, stderr=stderr))
     with open(stdout, "ab") as out, open(stderr, "ab") as err:
         popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd,

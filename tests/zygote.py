@@ -30,6 +30,7 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+AVAILABLE = sys.platform.startswith("linux")  # fork, and /proc for the thread check; elsewhere launches start fresh
 # torch._inductor.config: torch.use_deterministic_algorithms imports it (~1 CPU-s), every deterministic run.
 # Not datasets: importing it starts a native thread.
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.run",

@@ -18,6 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zygote  # noqa: E402
 from conftest import ROOT, _start, run_python  # noqa: E402
 
+pytestmark = pytest.mark.skipif(not zygote.AVAILABLE, reason="the test zygote forks and reads /proc: Linux only")
+
 SCRIPT = textwrap.dedent("""
     import os, sys
     print("argv", sys.argv[1:], "path0", sys.path[0], "cwd", os.getcwd(), "var", os.environ.get("ZYGOTE_PROBE"))
