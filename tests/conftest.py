@@ -104,10 +104,10 @@ class _Process:
 def _start(cmd: list[str], *, env: dict, cwd: Path, stdout: Path, stderr: Path) -> _Process:
     """`cmd` ([sys.executable, SCRIPT or -m MODULE, ARGS...]) in its own session, output appended to
     the files; forked from the zygote unless its environment needs a fresh interpreter."""
-    stdout.touch()
+    stdout.touch()  # before the launch, so its output files exist even if it is killed at once
     stderr.touch()
-    if cmd[0] == sys.executable and zygote.AVAILABLE and zygote.forkable(env, zygote.get().env):
-        return _Process(zygote.get().spawn(cmd[1:], env=env, cwd=cwd, stdout=stdout, stderr=stderr))
+    if cmd[0] == sys.executable and zygote.AVAILABLE and zygote.forkable(env, (forker := zygote.get()).env):
+        return _Process(forker.spawn(cmd[1:], env=env, cwd=cwd, stdout=stdout, stderr=stderr))
     with open(stdout, "ab") as out, open(stderr, "ab") as err:
         popen = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, cwd=cwd,
                                  start_new_session=True)

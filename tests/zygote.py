@@ -201,10 +201,8 @@ def _print_uncaught() -> None:
 
 
 def _finish() -> None:
-    import atexit as _atexit
-
     try:
-        _atexit._run_exitfuncs()
+        atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
