@@ -23,9 +23,14 @@ import atexit
 import io
 import json
 import os
+import selectors
+import shlex
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 
@@ -39,11 +44,13 @@ PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "t
 # differently from the zygote's own environment gets a fresh process.
 _AT_START = ("PYTHON", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC", "TORCH", "CUDA", "NCCL", "GLOO", "HF_",
              "TRANSFORMERS", "TOKENIZERS", "FAULTS_SPEC")
+# ...except what torch's elastic agent gives each rank, which torch reads when the rank runs.
+_AT_RUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
     """Whether a launch with `env` may fork from a zygote started with `base`."""
-    keys = {k for k in env.keys() | base.keys() if k.startswith(_AT_START)}
+    keys = {k for k in env.keys() | base.keys() if k.startswith(_AT_START) and not k.startswith(_AT_RUN)}
     return all(env.get(k) == base.get(k) for k in keys)
 
 
@@ -103,30 +110,156 @@ def get() -> Zygote:
 
 # --- the zygote process ---------------------------------------------------------------------------
 
+# A forked child's own launches of `sys.executable` (the ranks that torch's elastic agent starts for
+# `fsdpkit train --nproc` or torchrun, the launchers of `fsdpkit resume-check`) fork from the zygote too:
+# the child's sys.executable is a shim that asks the zygote for a fork over a unix socket, hands it
+# its stdin/stdout/stderr, forwards the signals it gets, and exits as the forked process did. The
+# shim dies with its parent (the kernel's parent-death signal) and the zygote then kills the fork, so
+# nothing outlives a launcher killed hard. A command the shim does not recognise, or an environment
+# that needs a fresh interpreter (`forkable`), is exec'd as the real interpreter instead.
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+              signal.SIGABRT, signal.SIGALRM)
+
+
+class _Server:
+    def __init__(self, base: dict[str, str]) -> None:
+        self.base = base  # the environment before the imports (torch._inductor.config sets a variable)
+        self.finished: dict[int, int] = {}  # the worker's launches, reaped on its polls
+        self.pending = b""
+        self.dir = tempfile.mkdtemp(prefix="zygote-")
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.listener.bind(os.path.join(self.dir, "socket"))
+        self.listener.listen(128)
+        self.shim = os.path.join(self.dir, "python")
+        with open(self.shim, "w") as f:
+            f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -SEs {shlex.quote(__file__)} --exec "
+                    f"{shlex.quote(self.listener.getsockname())} \"$@\"\n")
+        os.chmod(self.shim, 0o755)
+        self.sel = selectors.DefaultSelector()
+        self.sel.register(0, selectors.EVENT_READ, self._from_worker)
+        self.sel.register(self.listener, selectors.EVENT_READ, self._accept)
+        self.shims: dict[int, tuple[socket.socket, int, int]] = {}  # pid -> (connection, pidfd, connection fd)
+        self.running = True
+
+    def loop(self) -> None:
+        try:
+            while self.running:
+                for key, _ in self.sel.select():
+                    key.data(key)
+        finally:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def close_in_child(self) -> None:
+        """A fork keeps none of the zygote's descriptors (a kept socket would hide a shim's exit)."""
+        for conn, pidfd, _ in self.shims.values():
+            conn.close()
+            os.close(pidfd)
+        self.sel.close()
+        self.listener.close()
+
+    def _from_worker(self, _key) -> None:
+        data = os.read(0, 1 << 16)
+        if not data:  # the worker exited
+            self.running = False
+            return
+        self.pending += data
+        while b"\n" in self.pending:
+            line, self.pending = self.pending.split(b"\n", 1)
+            try:
+                _reply(self._answer(json.loads(line)))
+            except Exception as e:  # noqa: BLE001 - the test side raises it
+                _reply({"error": f"{type(e).__name__}: {e}"})
+
+    def _answer(self, request: dict) -> dict:
+        if request["op"] == "spawn":
+            return {"pid": self._fork(request, stdio=None)}
+        pid = request["pid"]
+        if pid not in self.finished:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                self.finished[pid] = os.waitstatus_to_exitcode(status)
+        return {"code": self.finished.get(pid)}
+
+    def _accept(self, _key) -> None:
+        conn, _ = self.listener.accept()
+        conn.settimeout(10)
+        fds: list[int] = []
+        try:
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            request = json.loads(message)
+            if len(fds) != 3 or not forkable(request["env"], self.base):
+                conn.send(json.dumps({"fresh": True}).encode())
+                conn.close()
+                return
+            pid = self._fork(request, stdio=fds, conn=conn)
+        except Exception:  # noqa: BLE001 - the shim then runs a fresh interpreter
+            conn.close()
+            return
+        finally:
+            for fd in fds:
+                os.close(fd)
+        pidfd = os.pidfd_open(pid)
+        self.shims[pid] = (conn, pidfd, conn.fileno())
+        self.sel.register(pidfd, selectors.EVENT_READ, lambda _key: self._exited(pid))
+        self.sel.register(conn, selectors.EVENT_READ, lambda _key: self._shim_gone(pid))
+        try:
+            conn.send(json.dumps({"pid": pid}).encode())
+        except OSError:
+            self._shim_gone(pid)
+
+    def _shim_gone(self, pid: int) -> None:
+        conn = self.shims[pid][0]
+        try:
+            if conn.recv(1 << 16):
+                return  # the shim sends nothing after its request; ignore it
+        except OSError:
+            pass
+        self.sel.unregister(conn)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _exited(self, pid: int) -> None:
+        conn, pidfd, conn_fd = self.shims.pop(pid)
+        self.sel.unregister(pidfd)
+        os.close(pidfd)
+        _, status = os.waitpid(pid, 0)
+        try:
+            conn.send(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
+        except OSError:
+            pass  # the shim is gone
+        if conn_fd in self.sel.get_map():
+            self.sel.unregister(conn)
+        conn.close()
+
+    def _fork(self, request: dict, stdio: list[int] | None, conn: socket.socket | None = None) -> int:
+        pid = os.fork()
+        if pid:
+            return pid
+        code = 1
+        try:
+            self.close_in_child()
+            if conn is not None:
+                conn.close()
+            sys.executable = self.shim
+            code = _child(request, stdio)
+        finally:
+            os._exit(code)
+
+
 def serve() -> None:
     import importlib
 
+    base = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1 or threading.active_count() != 1:
         raise SystemExit(f"test zygote: {threads} threads after importing {PRELOAD}; forking would be unsafe")
-    finished: dict[int, int] = {}
+    server = _Server(base)
     _reply({"ready": True})
-    for line in sys.stdin:
-        request = json.loads(line)
-        try:
-            if request["op"] == "spawn":
-                _reply({"pid": _fork(request)})
-            else:
-                pid = request["pid"]
-                if pid not in finished:
-                    done, status = os.waitpid(pid, os.WNOHANG)
-                    if done:
-                        finished[pid] = os.waitstatus_to_exitcode(status)
-                _reply({"code": finished.get(pid)})
-        except Exception as e:  # noqa: BLE001 - the test side raises it
-            _reply({"error": f"{type(e).__name__}: {e}"})
+    server.loop()
 
 
 def _reply(answer: dict) -> None:
@@ -134,32 +267,24 @@ def _reply(answer: dict) -> None:
     sys.stdout.flush()
 
 
-def _fork(request: dict) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
-    code = 1
-    try:
-        code = _child(request)
-    finally:
-        os._exit(code)
-
-
-def _child(request: dict) -> int:
+def _child(request: dict, stdio: list[int] | None) -> int:
     os.setsid()
-    for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_APPEND),
-                            (2, request["stderr"], os.O_WRONLY | os.O_APPEND)):
-        opened = os.open(path, flags)
+    if stdio is None:
+        stdio = [os.open(os.devnull, os.O_RDONLY), os.open(request["stdout"], os.O_WRONLY | os.O_APPEND),
+                 os.open(request["stderr"], os.O_WRONLY | os.O_APPEND)]
+    for fd, opened in enumerate(stdio):
         os.dup2(opened, fd)
+    for opened in set(stdio) - {0, 1, 2}:
         os.close(opened)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED"))
+    unbuffered = bool(os.environ.get("PYTHONUNBUFFERED") or request.get("unbuffered"))
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=False, write_through=unbuffered)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True,
                                   write_through=unbuffered)
+
     import runpy
 
     argv = request["argv"]
@@ -211,5 +336,65 @@ def _finish() -> None:
                 pass
 
 
+# --- the shim: a forked child's sys.executable ----------------------------------------------------
+
+def shim(socket_path: str, args: list[str]) -> None:
+    """Run `python ARGS` as a fork of the zygote at `socket_path`, or exec the real interpreter."""
+    argv, unbuffered = list(args), False
+    while argv[:1] == ["-u"]:
+        argv, unbuffered = argv[1:], True
+    answer: dict = {}
+    # A fork gets stdin, stdout and stderr only: a launch handed other descriptors (torch inductor's
+    # compile workers get pipes) runs a fresh interpreter.
+    if argv and (argv[0] == "-m" and len(argv) > 1 or not argv[0].startswith("-")) and not _inherited():
+        try:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            conn.connect(socket_path)
+            request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": unbuffered}
+            socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+            answer = json.loads(conn.recv(1 << 16) or b"{}")
+        except OSError:  # no zygote (it exited): a fresh interpreter
+            answer = {}
+    if "pid" not in answer:
+        os.execv(sys.executable, [sys.executable, *args])
+    import ctypes
+
+    parent = os.getppid()
+    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the parent
+    if os.getppid() != parent:
+        os._exit(1)  # the parent is gone already; the zygote kills the fork
+    pid = answer["pid"]
+
+    def forward(signum: int, _frame) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in _FORWARDED:
+        signal.signal(signum, forward)
+    message = conn.recv(1 << 16)
+    code = json.loads(message)["code"] if message else 1  # no message: the zygote exited
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+        code = 128 - code
+    os._exit(code)
+
+
+def _inherited() -> list[int]:
+    """Open descriptors besides 0, 1 and 2 (the listing's own is closed by the time it is checked)."""
+    found = []
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            if fd > 2 and os.fstat(fd):
+                found.append(fd)
+        except OSError:
+            pass
+    return found
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--serve"]:
     serve()
+elif __name__ == "__main__" and sys.argv[1:2] == ["--exec"]:
+    shim(sys.argv[2], sys.argv[3:])

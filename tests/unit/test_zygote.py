@@ -4,6 +4,7 @@ change what the other tests see."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -71,3 +72,106 @@ def test_an_environment_read_at_start_up_gets_a_fresh_interpreter(variable):
     base = zygote.get().env
     assert zygote.forkable({**base, "RANK": "3", "FSDPKIT_DIRECT_READ_BYTES": "0", "AWS_ENDPOINT_URL": "x"}, base)
     assert not zygote.forkable({**base, variable: "changed"}, base)
+
+
+# A forked launch's own launches of sys.executable (what torch's elastic agent does for every rank of
+# `fsdpkit train --nproc`): started as the agent starts them, in a session of their own.
+OUTER = textwrap.dedent("""
+    import json, os, signal, subprocess, sys
+    inner, mode = sys.argv[1], sys.argv[2]
+    cmd = [sys.executable, "-u", inner, *sys.argv[3:]]
+    if mode == "run":
+        done = subprocess.run(cmd, capture_output=True, text=True, start_new_session=True)
+        print(json.dumps([done.returncode, done.stdout, done.stderr]))
+    else:  # signal the inner launch's session once it says it is ready, as the agent stops a rank
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        ready = ""
+        while (line := proc.stdout.readline()) and (ready := ready + line) and line.strip() != "ready":
+            pass
+        os.killpg(proc.pid, signal.Signals[mode])
+        print(json.dumps([proc.wait(), ready + proc.stdout.read(), ""]))
+""")
+INNER = textwrap.dedent("""
+    import os, signal, sys, time
+    print("argv", sys.argv[1:], "path0", sys.path[0], "cwd", os.getcwd(), "rank", os.environ.get("RANK"),
+          "session leader", os.getsid(0) == os.getpid())
+    print("to stderr", file=sys.stderr)
+    if sys.argv[1] == "handle":
+        signal.signal(signal.SIGTERM, lambda *_: (print("got SIGTERM"), sys.exit(7)))
+    if sys.argv[1] in ("handle", "wait"):
+        print("ready", flush=True)
+        time.sleep(600)
+    if sys.argv[1] == "raise":
+        raise ValueError("from the inner script")
+    raise SystemExit(int(sys.argv[1]))
+""")
+
+
+def test_a_forked_launchs_own_launches_fork_too_and_behave_as_fresh_ones(tmp_path):
+    (tmp_path / "outer.py").write_text(OUTER)
+    (tmp_path / "inner.py").write_text(INNER)
+    (tmp_path / "probe.py").write_text("import sys\nprint('torch' in sys.modules)\n")
+    env = {"RANK": "1", "TORCHELASTIC_RUN_ID": "x"}  # what the agent adds to a rank's environment
+    # the inner launch's exit code, and a line its output must hold
+    cases = {("0", "run"): (0, "to stderr"), ("3", "run"): (3, "to stderr"),
+             ("raise", "run"): (1, "ValueError: from the inner script"), ("handle", "SIGTERM"): (7, "got SIGTERM"),
+             ("wait", "SIGTERM"): (-signal.SIGTERM, "ready"), ("wait", "SIGINT"): (-signal.SIGINT, "ready")}
+    for (inner_arg, mode), (code, line) in cases.items():
+        argv = [str(tmp_path / "outer.py"), str(tmp_path / "inner.py"), mode, inner_arg]
+        forked = run_python(*argv, env=env, cwd=tmp_path, timeout=120)
+        # independent reference: the outer script run by a fresh interpreter, whose sys.executable is the real one
+        fresh = subprocess.run([sys.executable, *argv], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", **env})
+        assert forked.returncode == fresh.returncode == 0, (forked.stderr, fresh.stderr)
+        assert (forked.stdout, forked.stderr) == (fresh.stdout, fresh.stderr), (inner_arg, mode)
+        result = json.loads(forked.stdout)
+        assert result[0] == code and line in result[1] + result[2] + forked.stderr, (inner_arg, mode, forked)
+    # and it did fork: the inner launch found torch already imported
+    probe = run_python(str(tmp_path / "outer.py"), str(tmp_path / "probe.py"), "run", env=env, cwd=tmp_path)
+    assert probe.stdout.strip() == '[0, "True\\n", ""]', probe
+
+
+def test_a_forked_launchs_own_launches_die_with_it(tmp_path):
+    (tmp_path / "inner.py").write_text("import os, time\nprint(os.getpid(), flush=True)\ntime.sleep(600)\n")
+    log = tmp_path / "log"
+    script = ("import subprocess, sys, time\n"
+              "subprocess.Popen([sys.executable, '-u', sys.argv[1]], start_new_session=True)\ntime.sleep(600)\n")
+    (tmp_path / "parent.py").write_text(script)
+    proc = _start([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "inner.py")],
+                  env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=ROOT, stdout=log, stderr=log)
+    while not log.read_text().strip():
+        assert proc.poll() is None, log.read_text()
+        time.sleep(0.02)
+    inner = int(log.read_text())
+    os.killpg(proc.pid, signal.SIGKILL)  # the parent only: the inner launch leads its own session
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while _alive(inner):
+        assert time.monotonic() < deadline, f"the inner launch {inner} outlived its parent"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_launch_handed_more_descriptors_gets_a_fresh_interpreter_that_has_them(tmp_path):
+    # torch inductor's compile workers are started this way: pipes passed by number
+    script = textwrap.dedent("""
+        import os, subprocess, sys
+        read, write = os.pipe()
+        inner = "import os, sys; os.write(int(sys.argv[1]), str('torch' in sys.modules).encode())"
+        tmp = sys.argv[1]
+        with open(tmp, "w") as f:
+            f.write(inner)
+        subprocess.run([sys.executable, tmp, str(write)], pass_fds=[write], check=True)
+        os.close(write)
+        print(os.read(read, 100).decode())
+    """)
+    (tmp_path / "outer.py").write_text(script)
+    done = run_python(str(tmp_path / "outer.py"), str(tmp_path / "inner.py"), cwd=tmp_path, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "False\n"), done
