@@ -343,29 +343,24 @@ def shim(socket_path: str, args: list[str]) -> None:
     argv, unbuffered = list(args), False
     while argv[:1] == ["-u"]:
         argv, unbuffered = argv[1:], True
-    answer: dict = {}
     # A fork gets stdin, stdout and stderr only: a launch handed other descriptors (torch inductor's
     # compile workers get pipes) runs a fresh interpreter.
-    if argv and (argv[0] == "-m" and len(argv) > 1 or not argv[0].startswith("-")) and not _inherited():
-        try:
-            conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-            conn.connect(socket_path)
-            request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": unbuffered}
-            socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
-            answer = json.loads(conn.recv(1 << 16) or b"{}")
-        except OSError:  # no zygote (it exited): a fresh interpreter
-            answer = {}
-    if "pid" not in answer:
+    if not argv or not (argv[0] == "-m" and len(argv) > 1 or not argv[0].startswith("-")) or _inherited():
         os.execv(sys.executable, [sys.executable, *args])
     import ctypes
 
+    libc = ctypes.CDLL(None)
     parent = os.getppid()
-    ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the parent
+    libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: die with the parent (the zygote kills the fork)
     if os.getppid() != parent:
-        os._exit(1)  # the parent is gone already; the zygote kills the fork
-    pid = answer["pid"]
+        os._exit(1)
+    # Signals are forwarded from now on; those that come before the fork exists wait for it.
+    pid, early = 0, []
 
     def forward(signum: int, _frame) -> None:
+        if not pid:
+            early.append(signum)
+            return
         try:
             os.kill(pid, signum)
         except ProcessLookupError:
@@ -373,6 +368,25 @@ def shim(socket_path: str, args: list[str]) -> None:
 
     for signum in _FORWARDED:
         signal.signal(signum, forward)
+    answer: dict = {}
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        conn.connect(socket_path)
+        request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "unbuffered": unbuffered}
+        socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+        answer = json.loads(conn.recv(1 << 16) or b"{}")
+    except OSError:  # no zygote (it exited): a fresh interpreter
+        answer = {}
+    if "pid" not in answer:
+        libc.prctl(1, 0, 0, 0, 0)
+        for signum in _FORWARDED:
+            signal.signal(signum, signal.SIG_DFL)
+        for signum in early:  # as a fresh interpreter starting would have taken it
+            os.kill(os.getpid(), signum)
+        os.execv(sys.executable, [sys.executable, *args])
+    pid = answer["pid"]
+    for signum in early:
+        forward(signum, None)
     message = conn.recv(1 << 16)
     code = json.loads(message)["code"] if message else 1  # no message: the zygote exited
     if code < 0:
