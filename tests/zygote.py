@@ -8,6 +8,13 @@ from the zygote starts in milliseconds with the same modules imported, and other
 directory, argv and sys.path given, stdin from /dev/null, stdout/stderr into the files given, the
 same exit code (1 and a traceback for an exception, the signal for a kill).
 
+A forked child's own `sys.executable` launches fork too: torch's elastic agent starting the ranks of
+`fsdpkit train --nproc` or torchrun, `fsdpkit resume-check` starting its launchers. The agent, its
+rendezvous and its signalling are torch's own; only the rank's interpreter start-up is skipped (see
+`shim`). Tests about processes themselves (a launcher killed hard, a stopped rank, a node lost:
+test_preemption, test_stuck_rank, tests/nodes.py) start their launchers with subprocess, so their
+ranks are fresh interpreters, children of the agent, as users run them.
+
 What a fork cannot give is an interpreter started with another environment: a launch whose
 environment changes what happens at start-up (PYTHON*, library start-up settings, an armed fault
 spec that a sitecustomize reads) gets a fresh interpreter instead (`forkable`). fsdpkit reads its
