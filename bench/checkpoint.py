@@ -136,8 +136,8 @@ def code_version() -> dict[str, Any]:
 
     root = Path(fsdpkit.checkpoint.__file__).parent
     digest = hashlib.sha256()
-    for f in sorted(root.glob("*.py")):
-        digest.update(f.name.encode() + f.read_bytes())
+    for f in sorted(root.rglob("*.py")):
+        digest.update(str(f.relative_to(root)).encode() + f.read_bytes())
     head = subprocess.run(["git", "-C", str(root), "log", "-1", "--format=%h %s"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "."], capture_output=True, text=True)
     return {"head": head.stdout.strip()[:72], "uncommitted": bool(dirty.stdout.strip()),

@@ -49,7 +49,7 @@ class IoClock:
 def install_io_clock() -> IoClock:
     from torch.distributed.checkpoint.filesystem import FileSystemReader, _FileSystemWriter
 
-    from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader
+    from fsdpkit.checkpoint.io.verified_read import VerifyingFileSystemReader
 
     clock = IoClock()
     clock.wrap(_FileSystemWriter, "write_data")

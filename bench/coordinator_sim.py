@@ -46,12 +46,12 @@ from coordinator_state import LAYERS, Llama70BShape, manifest_meta
 from fsdpkit.checkpoint import save as fsave
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
 from fsdpkit.checkpoint.io import hashing_writer
+from fsdpkit.checkpoint.io.verified_read import VerifyingFileSystemReader, file_problems
 from fsdpkit.checkpoint.layout import MANIFEST, step_dir_name
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.resume import check_optimizer, committed_candidates
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.state import CheckpointTarget
-from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader, file_problems
 
 
 class Phases:
@@ -96,16 +96,23 @@ class Sim:
         self.meta = manifest_meta(model, opt, step=1)
         self.target = CheckpointTarget(model, opt)
         self.step = 0
+        self.plans = fsave.PlanCache()  # a Checkpointer's: fsdpkit's saves after its first reuse the plan
+        self.final_plans: list[Any] = []
 
-    def dcp_save(self, ph: Phases, writer: FileSystemWriter) -> Any:
-        """DCP's save coordination on rank 0 (state_dict_saver._save_state_dict without write_data)."""
-        planner = DefaultSavePlanner()
+    def dcp_save(self, ph: Phases, writer: FileSystemWriter, planner: DefaultSavePlanner | None = None) -> Any:
+        """DCP's save coordination on rank 0 (state_dict_saver._save_state_dict without write_data).
+        With a caching `planner` (fsdpkit's save.PlanCache) whose cache holds this state's plans, every
+        rank sends an empty plan (nothing changed) and writes its cached final plan."""
+        planner = planner or DefaultSavePlanner()
         with ph("local_plan"):
             planner.set_up_planner(self.state, storage_meta=writer.storage_meta(), is_coordinator=True)
             writer.set_up_storage_writer(True)
             plan0 = writer.prepare_local_plan(planner.create_local_plan())
-        payloads = [pickle.dumps(plan0)] + [pickle.dumps(save_plan_for_rank(plan0, rank=r, world=self.world))
-                                            for r in range(1, self.world)]  # the other ranks' work
+        if plan0.usable:
+            payloads = [pickle.dumps(plan0)] + [pickle.dumps(save_plan_for_rank(plan0, rank=r, world=self.world))
+                                                for r in range(1, self.world)]  # the other ranks' work
+        else:  # cached: every rank's plan is unchanged, as rank 0's is
+            payloads = [pickle.dumps(plan0)] * self.world
         plans = received(ph, "gather_plans", payloads)
         del payloads
         with ph("global_plan"):
@@ -114,7 +121,9 @@ class Sim:
         sent(ph, "scatter_plans", plans)
         with ph("finish_plan"):
             planner.finish_plan(plans[0])
-        payloads = [pickle.dumps(write_results(p, rank=r)) for r, p in enumerate(plans)]  # the ranks' writes
+        if all(p.usable for p in plans):
+            self.final_plans = plans  # what each rank writes while its plan stays cached
+        payloads = [pickle.dumps(write_results(p, rank=r)) for r, p in enumerate(self.final_plans)]  # the writes
         del plans
         results = received(ph, "gather_results", payloads)
         del payloads
@@ -137,7 +146,7 @@ class Sim:
 
         def write(into: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
             writer, fs = hashing_writer(into, thread_count=1)
-            self.dcp_save(ph, writer)
+            self.dcp_save(ph, writer, self.plans.planner())
             with other("other_ranks"):
                 mine = dict(fs.files)
                 per_rank = [{f"__{r}_0.distcp": {"size": 4096 + r, HASH_NAME: f"{r:016x}"}} for r in range(self.world)]

@@ -28,7 +28,7 @@ from coordinator_state import build, manifest_meta
 from fsdpkit.checkpoint.layout import MANIFEST, step_dir_name
 from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME
-from fsdpkit.checkpoint.save import save_checkpoint
+from fsdpkit.checkpoint.save import PlanCache, save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
 
 
@@ -47,6 +47,7 @@ class Rank:
         self.meta = manifest_meta(self.model, self.opt, step=1)
         self.fingerprint = self.meta["fingerprint"]
         self.step = 0
+        self.plans = PlanCache()  # a Checkpointer's: its saves after the first reuse the plan
 
     def timed(self, fn) -> dict[str, float]:
         tdist.barrier()
@@ -61,7 +62,7 @@ class Rank:
     def fsdpkit_save(self) -> dict[str, float]:
         self.step += 1
         save_checkpoint(self.target, ckpt_dir=self.root / "fsdpkit" / step_dir_name(self.step), step=self.step,
-                        meta=self.meta, group=None)
+                        meta=self.meta, group=None, plans=self.plans)
         return {}
 
     def fsdpkit_resume(self) -> dict[str, float]:

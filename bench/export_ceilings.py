@@ -14,7 +14,7 @@ import threading
 import time
 from pathlib import Path
 
-from fsdpkit.checkpoint.page_cache import SequentialReader, reopen
+from fsdpkit.checkpoint.io.page_cache import SequentialReader, reopen
 from raw_io import WRITE_PIECE_BYTES, pwrite_all, write_in_pieces
 
 MIB = 2**20

@@ -89,9 +89,8 @@ def bench_upload(target, fs, bucket: str, work: Path, runs: int) -> dict:
     `runs` rounds of a save, a save through DCP's own S3 stream (s3fs's `S3File`, parts uploaded
     one after another: what fsdpkit's overlapped stream replaces) and a put, each round starting
     with the next one of the three (the server's state after the others' requests is no bias)."""
-    from fsdpkit.checkpoint import safe_fsspec
     from fsdpkit.checkpoint.save import save_checkpoint
-    from fsdpkit.checkpoint.storage import open_storage
+    from fsdpkit.checkpoint.storage import open_storage, safe_fsspec
 
     root, meta = open_storage(f"s3://{bucket}/upload"), meta_for(target)
     manifest = save_checkpoint(target, ckpt_dir=root / "step_0", step=0, meta=meta, group=None)

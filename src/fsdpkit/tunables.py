@@ -101,7 +101,7 @@ class Tunables:
     """One value per tunable, each read from FSDPKIT_ + its name in capitals (`remote_part_bytes`:
     FSDPKIT_REMOTE_PART_BYTES)."""
 
-    # -- checkpoint files on local disks (fsdpkit.checkpoint.verified_read, hashing, page_cache)
+    # -- checkpoint files on local disks (fsdpkit.checkpoint.io.verified_read, hashing, page_cache)
     direct_read_bytes: int = _tunable(1 << 20, unit="bytes", minimum=0, meaning=(
         "a load reads a stored tensor of at least this size straight into its host target"))
     read_restart_bytes: int = _tunable(16 << 20, unit="bytes", minimum=0, meaning=(
@@ -112,7 +112,7 @@ class Tunables:
         "1: the python-xxhash loop for `xxh3_64-rows` checksums even where the C extension is built"))
     staging_threads: int | None = _tunable(None, unit="threads", minimum=1, meaning=(
         "threads of an async save's blocking host copy; unset: the cores / ranks on this host, at most 4"))
-    # -- object storage (fsdpkit.checkpoint.multipart, storage, object_lock)
+    # -- object storage (fsdpkit.checkpoint.storage.multipart, storage, object_lock)
     remote_part_bytes: int = _tunable(16 << 20, unit="bytes", minimum=5 << 20, meaning=(
         "part size of a multipart upload to object storage (S3's smallest part is 5 MiB)"))
     remote_parts_in_flight: int = _tunable(4, unit="parts", minimum=1, meaning=(

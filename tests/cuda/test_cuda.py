@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from conftest import ROOT, fsdpkit  # noqa: E402
 from faults import env as faults_env  # noqa: E402
 from faults import fired, skip_restore  # noqa: E402
-from fsdpkit.checkpoint.dcp_storage import safe_reader  # noqa: E402
+from fsdpkit.checkpoint.io import safe_reader  # noqa: E402
 from fsdpkit.cli.main import main  # noqa: E402
 from fsdpkit.cli.resume_check import resume_check  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402

@@ -191,7 +191,7 @@ def test_verify_names_a_corrupt_object_and_a_missing_shard(runs, capsys):
 
 
 def test_crafted_metadata_on_s3_is_refused_without_running_code(runs, tmp_path):
-    from fsdpkit.checkpoint.dcp_storage import safe_reader
+    from fsdpkit.checkpoint.io import safe_reader
     from fsdpkit.checkpoint.storage import open_storage
 
     _, _, bucket, fs = runs
@@ -250,12 +250,12 @@ def test_local_dir_mirror_serves_the_restart_until_its_manifest_differs(runs):
 
 
 def test_overlapped_upload_writes_parts_small_files_and_aborts_cleanly(s3):
-    """multipart.py on the S3 server: a file of several parts written in odd-sized pieces, a file
+    """storage/multipart.py on the S3 server: a file of several parts written in odd-sized pieces, a file
     smaller than a part (one PUT), and an aborted upload that leaves no object and no upload behind."""
     import boto3
     import s3fs
 
-    from fsdpkit.checkpoint.multipart import OverlappedUpload
+    from fsdpkit.checkpoint.storage.multipart import OverlappedUpload
 
     bucket, fs = s3.new_bucket(), s3fs.S3FileSystem(use_listings_cache=False)
     data = os.urandom((11 << 20) + 12345)

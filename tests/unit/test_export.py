@@ -33,7 +33,7 @@ from fsdpkit.checkpoint.errors import (
     CheckpointMismatchError,
     UnsafeCheckpointError,
 )
-from fsdpkit.checkpoint.torch_save import FileWindow, locate_tensor, tensor_in_blob
+from fsdpkit.checkpoint.io.torch_save import FileWindow, locate_tensor, tensor_in_blob
 from fsdpkit.cli.main import main
 from fsdpkit.config import compose_config
 from fsdpkit.export.diffing import diff_checkpoints

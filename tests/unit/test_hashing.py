@@ -197,9 +197,8 @@ def test_dcp_save_records_every_file_with_the_digest_of_its_bytes(tmp_path):
     import xxhash
     from torch.distributed.checkpoint import FileSystemWriter
 
-    from fsdpkit.checkpoint.dcp_storage import safe_reader
     from fsdpkit.checkpoint.hashing import DigestFileSystem
-    from fsdpkit.checkpoint.io import hashing_writer
+    from fsdpkit.checkpoint.io import hashing_writer, safe_reader
 
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(1000, 257, generator=g), "b": torch.randn(3, generator=g),

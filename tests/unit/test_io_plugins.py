@@ -1,5 +1,5 @@
-"""The I/O seam (io.py): every save writes through DCP's own writer with fsdpkit's file checksums,
-whatever `checkpoint.io`, and the manifest records the digest of every file's bytes; `checkpoint.io`
+"""The I/O seam (checkpoint/io/): every save writes through DCP's own writer with fsdpkit's file
+checksums, whatever `checkpoint.io`, and the manifest records the digest of every file's bytes; `checkpoint.io`
 picks the reader (`fast`: the verifying reader, `plain`: DCP's reader after a checksum pass), both
 load the same state and both refuse a damaged file. One process, a gloo world of one: the
 collectives of save and load run for real.
@@ -18,9 +18,9 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 
 from fsdpkit.checkpoint import Checkpointer, io
-from fsdpkit.checkpoint.dcp_storage import safe_reader
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.hashing import DigestFileSystem
+from fsdpkit.checkpoint.io import safe_reader, verified_read
 from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.resume import verify_files
 from fsdpkit.config import compose_config
@@ -107,7 +107,7 @@ def test_checkpoint_io_does_not_change_what_a_save_writes(both):
 
 
 def _no_fast_reader(m: pytest.MonkeyPatch) -> None:
-    m.setattr("fsdpkit.checkpoint.io.VerifyingFileSystemReader",
+    m.setattr(verified_read, "VerifyingFileSystemReader",
               lambda *a, **k: pytest.fail("io=plain read through the fast path"))
 
 
@@ -132,8 +132,8 @@ def test_each_reader_refuses_a_flipped_tensor_byte_naming_the_file(tmp_path, wor
     if io_ == "plain":
         _no_fast_reader(monkeypatch)
     else:  # the verifying reader finds it from its own read
-        real = io.VerifyingFileSystemReader
-        monkeypatch.setattr(io, "VerifyingFileSystemReader",
+        real = verified_read.VerifyingFileSystemReader
+        monkeypatch.setattr(verified_read, "VerifyingFileSystemReader",
                             lambda *a, **k: readers.append(real(*a, **k)) or readers[-1])
     model, opt = _trained(seed=0)
     ckpt = _save(tmp_path / "ckpt", model, opt, io_=io_)

@@ -1,4 +1,4 @@
-"""checkpoint.local_dir (mirror.py) on fsspec's in-memory filesystem as the "bucket": which copy a
+"""checkpoint.local_dir (storage/mirror.py) on fsspec's in-memory filesystem as the "bucket": which copy a
 restart may read, pruning in step with the remote checkpoints, and the settings it refuses."""
 
 from __future__ import annotations
@@ -8,10 +8,9 @@ import uuid
 
 import pytest
 
-from fsdpkit.checkpoint import mirror
 from fsdpkit.checkpoint.layout import MANIFEST
-from fsdpkit.checkpoint.mirror import Mirror
-from fsdpkit.checkpoint.storage import open_storage
+from fsdpkit.checkpoint.storage import mirror, open_storage
+from fsdpkit.checkpoint.storage.mirror import Mirror
 from fsdpkit.config import compose_config
 
 

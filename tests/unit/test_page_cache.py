@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from fsdpkit.checkpoint.page_cache import SequentialReader
+from fsdpkit.checkpoint.io.page_cache import SequentialReader
 
 
 def _read_all(reader: SequentialReader, size: int, step: int) -> bytes:

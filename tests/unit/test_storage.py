@@ -15,8 +15,8 @@ import pytest
 
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.layout import MANIFEST, publish_latest, swap_in
-from fsdpkit.checkpoint.object_lock import ObjectLock
 from fsdpkit.checkpoint.storage import RemotePath, open_storage
+from fsdpkit.checkpoint.storage.object_lock import ObjectLock
 
 
 @pytest.fixture

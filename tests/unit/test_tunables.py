@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fsdpkit import tunables
-from fsdpkit.checkpoint import page_cache
+from fsdpkit.checkpoint.io import page_cache
 
 ROOT = Path(__file__).resolve().parents[2]
 SPECS = tunables.declared()

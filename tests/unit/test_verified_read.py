@@ -21,13 +21,13 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadIte
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.hashing import READ_CHUNK_BYTES, file_checksum
-from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
-from fsdpkit.checkpoint.torch_save import MemoryReader, SplitBlob, locate_tensor, predict_tensor
-from fsdpkit.checkpoint.verified_read import (
+from fsdpkit.checkpoint.io.torch_save import MemoryReader, SplitBlob, locate_tensor, predict_tensor
+from fsdpkit.checkpoint.io.verified_read import (
     VerifyingFileSystemReader,
     _Buffer,
     assign_whole_readers,
 )
+from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
 
 
 class _Planner:
@@ -321,7 +321,7 @@ def test_a_target_of_another_dtype_is_copied_from_the_buffer(large, monkeypatch)
 def test_a_wrong_prediction_is_caught_by_the_zip_directory_and_read_again(large, monkeypatch):
     """predict_tensor reads local headers only; were it wrong (here: made to point 64 bytes too
     far), the directory at the item's end disagrees and the item is read again and copied."""
-    import fsdpkit.checkpoint.verified_read as vr
+    import fsdpkit.checkpoint.io.verified_read as vr
 
     real = vr.predict_tensor
     monkeypatch.setattr(vr, "predict_tensor",

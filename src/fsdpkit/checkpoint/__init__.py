@@ -9,19 +9,23 @@ it is computed, the format versions) is written down in docs/checkpoint-format.m
 description; manifest.py, hashing.py and save.py implement it, and tests/unit/test_known_answers.py
 and tests/multirank/test_format_fixture.py hold them to it.
 
-Reading order for a newcomer. The core, first:
+Reading order for a newcomer. The core, first (this directory):
   manager.py      the Checkpointer: cadence, retention, preemption, on_exception, resume
   save.py         one save: DCP write, the gathered file list, the manifest commit
   resume.py       resolution (which checkpoint), the load, and the checks after it
   manifest.py     manifest.json (with manifest_schema.py, its shape) and layout.py, the commit primitives
   state.py        what a checkpoint holds, gathered from and restored into the run
   hashing.py      file and tensor checksums (row hash: _rowhash.c)
-  io.py           the I/O seam: DCP's own writer with file checksums; `checkpoint.io` chooses the reader
-Then, as needed: ownership.py and object_lock.py (one run per directory), retention.py, preemption.py,
-async_save.py and staging.py (background saves), full.py (`state_dict_type: full`), safe_io.py and
-torch_save.py (loading without running a checkpoint's code), storage.py, safe_fsspec.py, multipart.py
-and mirror.py (object storage). The fast reader behind io.py: verified_read.py (one hashed read per
-file), with torch_save.py and page_cache.py (sequential reads).
+  safe_io.py      loading without running a checkpoint's code (DCP's reader and planner, no pickle)
+Then, as needed: ownership.py (one run per directory), retention.py, preemption.py, async_save.py
+and staging.py (background saves), full.py (`state_dict_type: full`).
+Two layers below it, each behind one seam:
+  io/             the I/O seam (io/__init__.py: DCP's own writer with file checksums; `checkpoint.io`
+                  chooses the reader): the `fast` verifying reader (verified_read.py, one hashed
+                  read per file, with torch_save.py and page_cache.py)
+  storage/        where checkpoints live (storage/__init__.py: local paths and fsspec URLs as one
+                  path type): object storage (safe_fsspec.py, multipart.py), the local mirror
+                  (mirror.py), the directory lock (object_lock.py)
 """
 
 from __future__ import annotations

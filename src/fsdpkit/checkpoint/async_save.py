@@ -38,8 +38,7 @@ import torch.distributed as tdist
 
 from fsdpkit import watchdog
 from fsdpkit.checkpoint.layout import CkptPath
-from fsdpkit.checkpoint.mirror import Mirror
-from fsdpkit.checkpoint.save import Snapshot, capture, stage_hashing, write_snapshot
+from fsdpkit.checkpoint.save import PlanCache, Snapshot, capture, stage_hashing, write_snapshot
 from fsdpkit.checkpoint.staging import (
     allocate,
     copy_into,
@@ -49,6 +48,7 @@ from fsdpkit.checkpoint.staging import (
     tensors,
 )
 from fsdpkit.checkpoint.state import CheckpointTarget
+from fsdpkit.checkpoint.storage.mirror import Mirror
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -76,9 +76,10 @@ class AsyncSaver:
     """Stages state into a reused host buffer and writes it on one background thread."""
 
     def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1, background_staging: bool = False,
-                 mirror: Mirror | None = None):
+                 mirror: Mirror | None = None, plans: PlanCache | None = None):
         self.group, self.thread_count, self.background_staging = group, thread_count, background_staging
         self.mirror = mirror  # the owning Checkpointer's checkpoint.local_dir copy, if any
+        self.plans = plans  # the owning Checkpointer's save-plan cache, if any
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
         threads = copy_threads()  # a blocking host copy on this many threads (see staging.py)
         self._copiers = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdpkit-stage")
@@ -143,7 +144,7 @@ class AsyncSaver:
                     finally:
                         copied.set()  # an error is raised by wait(); the loop must not hang on it
                 manifest = write_snapshot(staged, ckpt_dir=ckpt_dir, group=self.group, thread_count=self.thread_count,
-                                          on_commit=on_commit, mirror=self.mirror)
+                                          on_commit=on_commit, mirror=self.mirror, plans=self.plans)
             finally:
                 watchdog.doing(None, slot=watchdog.BACKGROUND)
             result.background_s = time.perf_counter() - t_bg

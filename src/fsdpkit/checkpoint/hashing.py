@@ -2,7 +2,7 @@
 
 File checksums are xxh3-64 over every byte written, recorded by a stream wrapper installed in
 DCP's FileSystemWriter (`DigestFileSystem`), so no second read is needed. The bytes go to the file
-as DCP's own file system writes them (checkpoint/io.py).
+as DCP's own file system writes them (checkpoint/io/__init__.py).
 
 Tensor checksums must come out the same for any world size, since a checkpoint saved on 4 ranks
 is verified after loading on 3. FSDP2 shards dim 0, so each row lives whole on one rank; a sum
@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdpkit import tunables
-from fsdpkit.checkpoint.page_cache import SequentialReader
+from fsdpkit.checkpoint.io.page_cache import SequentialReader
 from fsdpkit.checkpoint.staging import copy_host, local_part
 
 HASH_NAME = "xxh3_64"

@@ -13,7 +13,7 @@
 
 A directory without a readable manifest.json is never a checkpoint. The manifest is written by
 one rank after every rank finished writing: temporary name, fsync, rename, fsync of the directory.
-`latest` moves the same way, after the manifest. On object storage (storage.py) the same names are
+`latest` moves the same way, after the manifest. On object storage (storage/) the same names are
 key prefixes; the manifest and `latest` are each one PUT, after every shard object is uploaded.
 """
 
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from fsdpkit.checkpoint.storage import RemotePath, move_tree, remove_tree, write_atomic
 
-CkptPath = Path | RemotePath  # a local directory or an object-store prefix (see storage.py)
+CkptPath = Path | RemotePath  # a local directory or an object-store prefix (see storage/__init__.py)
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"

@@ -15,7 +15,7 @@ the same point (each method's docstring says). Keyword arguments are the `checkp
 the trainer (see the config reference, `fsdpkit config docs`); the defaults are the same.
 
 Everything a Checkpointer uses belongs to it: its settings (`cfg`), its storage options (they travel
-with `root`, see storage.py), its local mirror (`mirror`, see mirror.py), its process groups and
+with `root`, see storage/__init__.py), its local mirror (`mirror`, see storage/mirror.py), its process groups and
 its retention. Two Checkpointers in one process (a model and its EMA, a teacher and a student)
 share nothing; a preemption signal, which reaches the process, is passed to both (preemption.py).
 """
@@ -39,15 +39,15 @@ from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, CkptPath, step_dir_name
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary, read_manifest
-from fsdpkit.checkpoint.mirror import Mirror
-from fsdpkit.checkpoint.object_lock import ObjectLock
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim, lock_for, new_run_id
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
 from fsdpkit.checkpoint.resume import LoadReport, load_checkpoint, resolve_checkpoint, set_aside
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
-from fsdpkit.checkpoint.save import save_checkpoint
+from fsdpkit.checkpoint.save import PlanCache, save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful
 from fsdpkit.checkpoint.storage import is_url, open_storage
+from fsdpkit.checkpoint.storage.mirror import Mirror
+from fsdpkit.checkpoint.storage.object_lock import ObjectLock
 from fsdpkit.config import validate_checkpoint
 from fsdpkit.config.schema import CheckpointConfig
 from fsdpkit.dist import on_main
@@ -118,10 +118,10 @@ class Found:
 def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Found:
     """Collective: lock `cfg.dir` (rank 0) and resolve `cfg.resume` (the newest committed, complete
     checkpoint; with `verify_checksums` its file checksums are checked while `Checkpointer.resume`
-    loads it, from the same read, see verified_read.py; on object storage, which has no verifying
+    loads it, from the same read, see io/verified_read.py; on object storage, which has no verifying
     reader, resolution streams them first). A loop that wants to know before building its model
     whether it will resume (to skip random init) calls this, then `Checkpointer.resume(found)`.
-    With `local_dir`, the local copy of the resolved checkpoint replaces it when it matches (mirror.py)."""
+    With `local_dir`, the local copy of the resolved checkpoint replaces it when it matches (storage/mirror.py)."""
     held: list[DirectoryLock | ObjectLock] = []
     root = open_storage(cfg.dir, cfg.storage_options)
     remote = is_url(cfg.dir) or is_url(cfg.resume)
@@ -243,8 +243,10 @@ class Checkpointer:
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
         self._mirror_of: tuple[CkptPath, CkptPath] | None = None  # (local copy, remote checkpoint) resumed from
+        # DCP plans a save afresh only when the state's structure changed since the last (save.PlanCache)
+        self._plans = PlanCache()
         self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror,
-                                  background_staging=c.async_staging == "background")
+                                  background_staging=c.async_staging == "background", plans=self._plans)
                        if c.async_save else None)
 
     @classmethod
@@ -447,7 +449,7 @@ class Checkpointer:
         else:
             manifest = save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
                                        thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
-                                       on_commit=self._retain, mirror=self.mirror)
+                                       on_commit=self._retain, mirror=self.mirror, plans=self._plans)
             stall = time.perf_counter() - t0
             self._report(SaveResult(step=step, path=path, mode="sync", reason=reason, stall_s=stall, manifest=manifest))
         self.last_saved_step = step
@@ -474,6 +476,8 @@ class Checkpointer:
         finally:
             if self._async is not None and wait:
                 self._async.close()
+            if self._async is None or wait:  # no save in flight uses it any more
+                self._plans.forget()
             self.preemption.uninstall()
             if self.lock is not None:
                 self.lock.release()

@@ -41,8 +41,8 @@ from fsdpkit.checkpoint.layout import (
     utc_stamp,
 )
 from fsdpkit.checkpoint.manifest import read_manifest
-from fsdpkit.checkpoint.object_lock import ObjectLock
 from fsdpkit.checkpoint.storage import RemotePath, fsync_dir, move_tree
+from fsdpkit.checkpoint.storage.object_lock import ObjectLock
 
 log = logging.getLogger("fsdpkit.checkpoint")
 LOCK = ".lock"

@@ -21,13 +21,13 @@ from fsdpkit.checkpoint.errors import (
 from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
 from fsdpkit.checkpoint.io import FAST, load_reader, verifies_while_reading
+from fsdpkit.checkpoint.io.verified_read import file_problems
 from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
 from fsdpkit.checkpoint.storage import open_storage
-from fsdpkit.checkpoint.verified_read import file_problems
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -178,9 +178,9 @@ def load_checkpoint(
 
     Checks the model fingerprint before touching any state. With `verify`, recomputes per-tensor
     checksums of what was restored and compares them with the manifest. With `verify_files`,
-    checks every file's checksum from the bytes read for loading (see verified_read.py): for a
+    checks every file's checksum from the bytes read for loading (see io/verified_read.py): for a
     checkpoint that `resolve_checkpoint(verify_checksums=False)` found, in one read instead of two.
-    `io` (checkpoint.io, io.py): `fast` reads that way; `plain` (and a URL) checks every file in a
+    `io` (checkpoint.io, io/__init__.py): `fast` reads that way; `plain` (and a URL) checks every file in a
     pass before the load, then reads with DCP's reader (safe_io.py).
 
     Returns: what was loaded (the manifest), notes about tolerated changes, and timings.

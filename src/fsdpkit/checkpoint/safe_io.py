@@ -266,7 +266,7 @@ class SafeFileSystemReader(SafeMetadataReading, FileSystemReader):
 
     Why: DCP calls `read_metadata` before anything else in `dcp.load`; the stock reader would run
     a crafted file's code right there. Everything else (file layout, slicing, tensor reads, which
-    already use `torch.load(weights_only=True)`) is inherited unchanged. (`safe_fsspec.py` has the
+    already use `torch.load(weights_only=True)`) is inherited unchanged. (`storage/safe_fsspec.py` has the
     same for URLs.)
 
     Note: `dcp.load` catches any exception from `read_metadata()` and retries with

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import torch
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import SavePlanner
 
 from fsdpkit.checkpoint import staging
 from fsdpkit.checkpoint.errors import CheckpointSaveError
@@ -36,11 +39,48 @@ from fsdpkit.checkpoint.hashing import (
 from fsdpkit.checkpoint.io import hashing_writer
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, publish_latest, swap_in
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
-from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
 from fsdpkit.checkpoint.storage import remove_tree
+from fsdpkit.checkpoint.storage.mirror import Mirror
 
 log = logging.getLogger("fsdpkit.checkpoint")
+
+
+class PlanCache:
+    """DCP's save-plan caching for the saves of one Checkpointer.
+
+    Planning a save is a gather of every rank's plan at rank 0, a global plan and `.metadata` made
+    there, and a scatter back: its cost grows with tensors x ranks. With caching (DCP's
+    `DefaultSavePlanner(enable_plan_caching=True)`), a rank whose local plan equals its previous one
+    sends an empty plan, rank 0 reuses the global plan and metadata it made before, and each rank
+    reuses its final plan; a rank whose plan changed (a tensor's shape or a new key) sends it, and
+    rank 0 plans again from the merged plans. The files written are the same either way.
+
+    DCP keeps the caches in class attributes of SavePlanner, under one key per planner class, so
+    two Checkpointers in one process would share them; each PlanCache uses a key of its own. After
+    a save that failed on some rank, the ranks' caches may disagree (a rank may have cached the
+    failed save's plan, another not): `renew` starts every rank afresh under a new key.
+    """
+
+    _CACHES = ("_cached_save_plan", "_cached_final_save_plan", "_cached_all_plans", "_cached_global_plan",
+               "_cached_metadata")
+
+    def __init__(self) -> None:
+        self.key = ""
+        self.renew()
+
+    def planner(self) -> DefaultSavePlanner:
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self.key  # DCP's own key is the class name, shared by the whole process
+        return planner
+
+    def renew(self) -> None:
+        self.forget()
+        self.key = f"fsdpkit-{uuid.uuid4().hex}"
+
+    def forget(self) -> None:
+        for name in self._CACHES:
+            getattr(SavePlanner, name, {}).pop(self.key, None)
 
 
 def checksummed_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -170,6 +210,7 @@ def save_checkpoint(
     state_dict_type: str = "sharded",
     on_commit: Callable[[CkptPath], None] | None = None,
     mirror: Mirror | None = None,
+    plans: PlanCache | None = None,
 ) -> dict[str, Any]:
     """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest (rank 0) or
     {"step", "bytes_per_rank"} (other ranks).
@@ -182,6 +223,7 @@ def save_checkpoint(
         on_commit: run on rank 0 with the committed path right after `latest` moved (retention),
             before the final agreement.
         mirror: the local copy (checkpoint.local_dir) a remote sharded save's files are teed into.
+        plans: the save-plan cache of the caller's saves (a sharded save; None: DCP plans afresh).
     Raises:
         CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
     """
@@ -189,7 +231,7 @@ def save_checkpoint(
     snapshot = capture(target, step=step, meta=meta, rank=rank)
     if state_dict_type != "full":
         return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit,
-                              mirror=mirror)
+                              mirror=mirror, plans=plans)
 
     if "state" in snapshot.state:
         raise CheckpointSaveError("strategy.state_dict_type=full cannot hold tensors in the checkpoint `state` "
@@ -204,17 +246,23 @@ def save_checkpoint(
 
 def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup | None, thread_count: int = 1,
                    on_commit: Callable[[CkptPath], None] | None = None,
-                   mirror: Mirror | None = None) -> dict[str, Any]:
+                   mirror: Mirror | None = None, plans: PlanCache | None = None) -> dict[str, Any]:
     """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
     Safe to run on a background thread when `group` is used by nothing else meanwhile. A remote
-    checkpoint's files are also written to `mirror`, if given (mirror.py). The files go through
-    io.hashing_writer."""
+    checkpoint's files are also written to `mirror`, if given (storage/mirror.py). The files go through
+    io.hashing_writer; with `plans`, DCP reuses the previous save's plan where nothing changed."""
 
     # every rank writes its shards through DCP
     def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         writer, fs = hashing_writer(into, thread_count=thread_count, mirror=mirror)
-        with zip_crc32_off():
-            dcp.save(snapshot.state, storage_writer=writer, process_group=group)
+        try:
+            with zip_crc32_off():
+                dcp.save(snapshot.state, storage_writer=writer, process_group=group,
+                         planner=plans.planner() if plans is not None else None)
+        except BaseException:
+            if plans is not None:  # every rank's save raises: every rank starts its cache afresh
+                plans.renew()
+            raise
         return _gather(fs.files, group), {}
 
     return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="sharded", write=write, on_commit=on_commit)

@@ -2,7 +2,7 @@
 
 The export is written as to a local output, into a temporary directory (`TMPDIR`; it needs the
 export's size in free disk, and the memory bound is the local export's), then uploaded file by
-file (S3: overlapping multipart parts, multipart.py). The output never looks complete before it
+file (S3: overlapping multipart parts, checkpoint/storage/multipart.py). The output never looks complete before it
 is: each object appears whole when its upload completes, and the objects that make a folder
 loadable come last: the weight files, then `model.safetensors.index.json`, then
 `generation_config.json`, then `config.json`. The same rules as for a local output hold: an
@@ -125,7 +125,7 @@ def _written_by_export(path: RemotePath, dest: RemotePath) -> bool:
 
 def _upload(local: Path, remote: RemotePath) -> None:
     """One object, complete when this returns (S3: a multipart upload with overlapping parts)."""
-    from fsdpkit.checkpoint.multipart import OverlappedUpload, is_s3
+    from fsdpkit.checkpoint.storage.multipart import OverlappedUpload, is_s3
 
     if not is_s3(remote.fs):
         remote.fs.put_file(str(local), remote.key)

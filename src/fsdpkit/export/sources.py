@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from fsdpkit.checkpoint.io.torch_save import FileWindow, TensorPayload, locate_tensor
 from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.safe_io import (
@@ -32,7 +33,6 @@ from fsdpkit.checkpoint.safe_io import (
     read_dcp_metadata,
 )
 from fsdpkit.checkpoint.storage import RemotePath, open_storage
-from fsdpkit.checkpoint.torch_save import FileWindow, TensorPayload, locate_tensor
 from fsdpkit.export.locate import (
     is_uncommitted_fsdpkit_dir,
     locate_checkpoint,

@@ -1,6 +1,11 @@
 """The I/O seam: the DCP writer that moves a checkpoint's bytes, and the reader `checkpoint.io` chooses.
 
-One writer: DCP's own FileSystemWriter (fsspec writer for a URL: safe_fsspec.py) with its file
+The checkpoint core (save.py, resume.py) asks this package for a writer and a reader and names no
+I/O class itself. What is in it: this module (the choice), verified_read.py (the `fast` reader),
+torch_save.py (its parser of torch.save's zip files) and page_cache.py (sequential reads; also used
+by hashing.file_checksum).
+
+One writer: DCP's own FileSystemWriter (fsspec writer for a URL: storage/safe_fsspec.py) with its file
 system wrapped by hashing.DigestFileSystem, which records xxh3-64 over every byte written, the
 digest the manifest records (docs/checkpoint-format.md). Nothing in it is tuned to a machine.
 
@@ -11,24 +16,26 @@ Two readers (`checkpoint.io`), the same checkpoint either way:
 - `plain`: a load checks every file's checksum in a pass of its own first (resume.verify_files),
   then reads with fsdpkit's safe FileSystemReader (safe_io.py), DCP's reader without its pickle.
 
-A URL checkpoint (object storage) takes DCP's fsspec reader (safe_fsspec.py) with either choice.
-save.py and resume.py ask this module; they name no reader themselves.
+A URL checkpoint (object storage) takes DCP's fsspec reader (storage/safe_fsspec.py) with either choice.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch.distributed as tdist
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-from fsdpkit.checkpoint.dcp_storage import safe_reader
-from fsdpkit.checkpoint.hashing import DigestFileSystem
-from fsdpkit.checkpoint.mirror import Mirror
 from fsdpkit.checkpoint.storage import RemotePath, is_url
-from fsdpkit.checkpoint.verified_read import VerifyingFileSystemReader
+
+if TYPE_CHECKING:
+    import torch.distributed as tdist
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    from fsdpkit.checkpoint.hashing import DigestFileSystem
+    from fsdpkit.checkpoint.storage.mirror import Mirror
+
+# The readers and the writer are imported where they are made: hashing.py (the core) reads through
+# io/page_cache.py, so this package must not import hashing.py when it is itself imported.
 
 PLAIN, FAST = "plain", "fast"
 CHOICES = (PLAIN, FAST)  # checkpoint.io
@@ -45,13 +52,29 @@ def hashing_writer(into: Path | RemotePath, *, thread_count: int,
     file's size and checksum. A URL `into` takes DCP's fsspec writer (teed into `mirror`, the
     Checkpointer's checkpoint.local_dir, if given)."""
     if isinstance(into, RemotePath):
-        from fsdpkit.checkpoint.safe_fsspec import fsspec_writer
+        from fsdpkit.checkpoint.storage.safe_fsspec import fsspec_writer
 
         return fsspec_writer(into, thread_count=thread_count, mirror=mirror)
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from fsdpkit.checkpoint.hashing import DigestFileSystem
+
     fs = DigestFileSystem()
     writer = FileSystemWriter(into, sync_files=True, thread_count=thread_count)
     writer.fs = fs
     return writer, fs
+
+
+def safe_reader(ckpt_dir: Path | RemotePath) -> FileSystemReader:
+    """A DCP reader of `ckpt_dir` that never runs code from its `.metadata`: local (safe_io.py) or
+    a URL (DCP's fsspec reader, storage/safe_fsspec.py)."""
+    if isinstance(ckpt_dir, RemotePath):
+        from fsdpkit.checkpoint.storage.safe_fsspec import fsspec_reader
+
+        return fsspec_reader(ckpt_dir)
+    from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
+
+    return SafeFileSystemReader(ckpt_dir)
 
 
 def verifies_while_reading(ckpt_dir: Path | RemotePath, *, io: str = FAST) -> bool:
@@ -68,6 +91,8 @@ def load_reader(ckpt_dir: Path | RemotePath, *, io: str = FAST, files: dict[str,
     `hash_files`, its `digests` hold what it read), else the safe reader (`hash_files` must be
     False there: verify before the load)."""
     if verifies_while_reading(ckpt_dir, io=io):
+        from fsdpkit.checkpoint.io.verified_read import VerifyingFileSystemReader
+
         return VerifyingFileSystemReader(ckpt_dir, sizes={n: i["size"] for n, i in files.items()},
                                          hash_files=hash_files, group=group)
     if hash_files:

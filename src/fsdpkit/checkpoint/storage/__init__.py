@@ -22,6 +22,10 @@ are passed where a URL is opened (`open_storage(url, options)`) and travel with 
 (its `fs`) and every path derived from it: nothing here is process-wide, so two Checkpointers in
 one process (a model and its EMA) each keep their own. Listing caches are off: another rank or
 process may have written since the last listing.
+
+The rest of this package: safe_fsspec.py (DCP's fsspec writer and reader, with checksums and
+without pickle), multipart.py (parallel multipart uploads), mirror.py (a local copy of what is
+uploaded, `checkpoint.local_dir`) and object_lock.py (one run per directory, also on object storage).
 """
 
 from __future__ import annotations

@@ -43,9 +43,8 @@ from torch.futures import Future
 from fsdpkit import tunables
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.hashing import HASH_NAME
-from fsdpkit.checkpoint.page_cache import SequentialReader
-from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
-from fsdpkit.checkpoint.torch_save import (
+from fsdpkit.checkpoint.io.page_cache import SequentialReader
+from fsdpkit.checkpoint.io.torch_save import (
     FileWindow,
     MemoryReader,
     SplitBlob,
@@ -54,6 +53,7 @@ from fsdpkit.checkpoint.torch_save import (
     predict_tensor,
     tensor_in_blob,
 )
+from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
 
 ROW_READ_THREADS = 4
 """Threads that read row ranges at once in a load at another world size."""

@@ -13,10 +13,10 @@ from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DcpFss
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from fsdpkit.checkpoint.hashing import DigestFileSystem
-from fsdpkit.checkpoint.mirror import Mirror, TeeStream
-from fsdpkit.checkpoint.multipart import OverlappedUpload, is_s3
 from fsdpkit.checkpoint.safe_io import SafeMetadataReading
 from fsdpkit.checkpoint.storage import RemotePath
+from fsdpkit.checkpoint.storage.mirror import Mirror, TeeStream
+from fsdpkit.checkpoint.storage.multipart import OverlappedUpload, is_s3
 
 
 class SafeFsspecReader(SafeMetadataReading, FsspecReader):
