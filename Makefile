@@ -17,7 +17,8 @@ demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
 # Two pytest workers (pytest-xdist), each test file whole on one worker (its module fixtures run once).
-# The suite is CPU-bound on 2 cores: three workers took 19:25 against two's 18:40 (one run each, 4f62732).
+# The suite is CPU-bound on 2 cores: three workers took 19:25 against two's 18:40 (one run each, 4f62732,
+# before the test ranks of `fsdpkit train --nproc` were forked too; two workers now: 12:51-14:09).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
