@@ -145,7 +145,7 @@ class _Server:
         self.sel = selectors.DefaultSelector()
         self.sel.register(0, selectors.EVENT_READ, self._from_worker)
         self.sel.register(self.listener, selectors.EVENT_READ, self._accept)
-        self.shims: dict[int, tuple[socket.socket, int, int]] = {}  # pid -> (connection, pidfd, connection fd)
+        self.shims: dict[int, tuple[socket.socket, int]] = {}  # pid -> (connection, pidfd)
         self.running = True
 
     def loop(self) -> None:
@@ -158,7 +158,7 @@ class _Server:
 
     def close_in_child(self) -> None:
         """A fork keeps none of the zygote's descriptors (a kept socket would hide a shim's exit)."""
-        for conn, pidfd, _ in self.shims.values():
+        for conn, pidfd in self.shims.values():
             conn.close()
             os.close(pidfd)
         self.sel.close()
@@ -206,7 +206,7 @@ class _Server:
             for fd in fds:
                 os.close(fd)
         pidfd = os.pidfd_open(pid)
-        self.shims[pid] = (conn, pidfd, conn.fileno())
+        self.shims[pid] = (conn, pidfd)
         self.sel.register(pidfd, selectors.EVENT_READ, lambda _key: self._exited(pid))
         self.sel.register(conn, selectors.EVENT_READ, lambda _key: self._shim_gone(pid))
         try:
@@ -228,7 +228,7 @@ class _Server:
             pass
 
     def _exited(self, pid: int) -> None:
-        conn, pidfd, conn_fd = self.shims.pop(pid)
+        conn, pidfd = self.shims.pop(pid)
         self.sel.unregister(pidfd)
         os.close(pidfd)
         _, status = os.waitpid(pid, 0)
@@ -236,7 +236,7 @@ class _Server:
             conn.send(json.dumps({"code": os.waitstatus_to_exitcode(status)}).encode())
         except OSError:
             pass  # the shim is gone
-        if conn_fd in self.sel.get_map():
+        if conn in self.sel.get_map():
             self.sel.unregister(conn)
         conn.close()
 
@@ -291,7 +291,6 @@ def _child(request: dict, stdio: list[int] | None) -> int:
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=False, write_through=unbuffered)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace", line_buffering=True,
                                   write_through=unbuffered)
-
     import runpy
 
     argv = request["argv"]
