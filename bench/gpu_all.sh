@@ -7,7 +7,7 @@
 # gpu_checkpoint.json, pytest.txt, machine.txt, log.txt, RESULTS-gpu-section.md.
 # For a try on a CPU machine: SMOKE=1 (both scripts with --cpu-smoke) INSTALL=0 (no wheels) PY=<python>.
 # Time limits (seconds) can be changed: TRAIN_S (300), CKPT_S (75), CKPT_PARTS (async), TESTS_S (200); TRAIN_MODELS
-# (ref,hf); TEST_WORKERS (8, pytest-xdist).
+# (ref,hf); TEST_WORKERS (8, pytest-xdist); SKIP: the parts not to run, space-separated (e.g. "train").
 set -u
 OUT=${OUT:?set OUT to the folder for the results}
 mkdir -p "$OUT"
@@ -20,6 +20,7 @@ t_all=$(date +%s)
 part() {  # part NAME SECONDS CMD...: run, print its exit code and time, never abort
     local name=$1 limit=$2; shift 2
     local t0=$(date +%s)
+    if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "=== $name: skipped (SKIP)"; return; fi
     echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
     timeout --kill-after=10 "$limit" "$@"
     local rc=$?
@@ -34,6 +35,7 @@ part() {  # part NAME SECONDS CMD...: run, print its exit code and time, never a
   echo "cpus $(nproc)"
   echo "mem_gib $(awk '/MemTotal/ {printf "%.0f", $2/1048576}' /proc/meminfo)"
   $PY -c 'import platform, torch; print("python", platform.python_version()); print("torch", torch.__version__, "cuda", torch.version.cuda)'
+  for m in transformers peft accelerate; do $PY -c "import $m; print('$m', $m.__version__)" 2>/dev/null || echo "$m none"; done
 } > "$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
 nvidia-smi || true

@@ -42,7 +42,11 @@ import threading
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-AVAILABLE = sys.platform.startswith("linux")  # fork, and /proc for the thread check; elsewhere launches start fresh
+# Linux: fork, and /proc for the thread check. Not where an NVIDIA device is visible: CUDA cannot be
+# used in a child forked after the driver was initialised, and the zygote's imports may initialise it
+# (a device count); there (tests/cuda on a GPU node) every launch starts a fresh interpreter.
+AVAILABLE = sys.platform.startswith("linux") and not (
+    os.environ.get("CUDA_VISIBLE_DEVICES") != "" and any(Path("/dev").glob("nvidia[0-9]*")))
 # torch._inductor.config: torch.use_deterministic_algorithms imports it (~1 CPU-s), every deterministic run.
 # Not datasets: importing it starts a native thread.
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.fsdp", "torch.distributed.run",

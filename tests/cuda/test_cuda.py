@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import ROOT, fsdpkit  # noqa: E402
+from conftest import ROOT, fsdpkit, torchrun  # noqa: E402
 from faults import env as faults_env  # noqa: E402
 from faults import fired, skip_restore  # noqa: E402
 from fsdpkit.checkpoint.io import safe_reader  # noqa: E402
@@ -181,3 +181,73 @@ def test_examples_resume_on_cuda(script, tmp_path):
     assert sorted(map(int, second["losses"])) == [3, 4]
     for step, loss in second["losses"].items():
         assert abs(loss - first["losses"][step]) <= 1e-5 * abs(loss), (script, step, loss, first["losses"][step])
+
+
+HF_LORA = ["qwen2", "mixtral", "gpt2", "gemma3_text"]  # tied embeddings, MoE, Conv1D, Gemma's scaled embedding
+
+
+def _hf_matrix_problems(arch: str, results: dict, runs: Path, folder: Path, tmp: Path) -> list[str]:
+    """What differs from transformers for one architecture trained on the GPU (empty: nothing)."""
+    import transformers
+
+    from fsdpkit.export import export_checkpoint
+    from fsdpkit.export.adapter import export_adapter
+    from hf_folders import reference_model
+
+    problems = []
+    first, reference = results["loss"][0], results["reference_loss"]
+    if not abs(first - reference) <= 1e-5 * abs(reference):
+        problems.append(f"step-1 loss {first!r} vs transformers' {reference!r}")
+    if not (results["loss"][0] != results["loss"][2] and results["grad_norm"][0] > 0):
+        problems.append(f"did not train: losses {results['loss']}, grad norms {results['grad_norm']}")
+    if [e["step"] for e in results["resume_events"]] != [2] or \
+            results["resumed"] != [[3, results["loss"][2], results["grad_norm"][2]]]:
+        problems.append(f"resume not bitwise: {results['resumed']} vs step 3 {results['loss'][2]}")
+    if results["param_dtypes"] != ["torch.float32"] or results["mine_attn"] != results["attn"]:
+        problems.append(f"params {results['param_dtypes']}, attention {results['mine_attn']} vs {results['attn']}")
+    if arch.endswith("+lora"):
+        from peft import PeftModel
+
+        export_adapter(runs / arch / "full" / "checkpoints", tmp / "adapter")
+        model = PeftModel.from_pretrained(reference_model(folder), tmp / "adapter").eval().cuda()
+    else:
+        wrong = sorted(n for n, same in results["buffers"].items() if not same) + results["buffers_extra"]
+        if wrong:
+            problems.append(f"buffers unlike from_pretrained's: {wrong}")
+        export_checkpoint(runs / arch / "full" / "checkpoints", tmp / "export", dtype="fp32")
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(tmp / "export", output_loading_info=True)
+        if any(info.values()):
+            problems.append(f"export loads with {info}")
+        model = model.eval().cuda()
+    batch = torch.load(runs / arch / "batch.pt")
+    with torch.no_grad():
+        logits = model(batch[:, :-1].cuda()).logits.cpu()
+    trained = torch.load(runs / arch / "trained_logits.pt")
+    if not torch.allclose(logits, trained, rtol=1e-5, atol=1e-5):
+        problems.append(f"exported logits differ by up to {(logits - trained).abs().max().item():.3e}")
+    return problems
+
+
+def test_every_hf_architecture_trains_resumes_and_exports_on_cuda(tmp_path, hf_tokenizer_dir):
+    """tests/multirank/test_hf_matrix.py's matrix on one GPU under NCCL: each tiny `save_pretrained`
+    folder trained from `model=hf model.path=DIR` gives transformers' own step-1 loss on the same
+    GPU, resumes bit for bit, keeps every buffer transformers builds (computed on the GPU by the
+    model's init hooks, compared with from_pretrained's), and exports (or, LoRA, gives an adapter)
+    that transformers loads with the trained logits. One launch; every architecture's problems are
+    reported together."""
+    from hf_folders import ARCHITECTURES, make_folder
+
+    archs = list(ARCHITECTURES)
+    folders = {a: make_folder(a, tmp_path / "folders" / a, tokenizer_dir=hf_tokenizer_dir) for a in archs}
+    specs = [f"{a}={folders[a]}" for a in archs] + [f"{a}+lora={folders[a]}" for a in HF_LORA]
+    runs = tmp_path / "runs"
+    torchrun(1, ROOT / "tests" / "multirank" / "hf_matrix_worker.py", "--device", "cuda", str(tmp_path / "out.json"),
+             str(runs), *specs, timeout=900)
+    results = json.loads((tmp_path / "out.json").read_text())
+    problems = {}
+    for spec in specs:
+        arch = spec.split("=", 1)[0]
+        found = _hf_matrix_problems(arch, results[arch], runs, folders[arch.removesuffix("+lora")], tmp_path / arch)
+        if found:
+            problems[arch] = found
+    assert problems == {}, json.dumps(problems, indent=1)

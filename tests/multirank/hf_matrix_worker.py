@@ -1,8 +1,10 @@
 """Runs on 2 gloo ranks under torchrun: for each Hugging Face folder given, trains it from
 `model=hf model.path=DIR` through fsdpkit's own run (fsdpkit.train.run.train, what `fsdpkit train`
 runs in each rank), resumes it from its step-2 checkpoint, exports it, and records what the tests
-compare with transformers itself. Usage: hf_matrix_worker.py OUT.json RUNS_DIR ARCH=DIR [ARCH=DIR ...]
-(an ARCH ending in `+lora` trains LoRA adapters instead)."""
+compare with transformers itself. Usage:
+    hf_matrix_worker.py [--device cuda] OUT.json RUNS_DIR ARCH=DIR [ARCH=DIR ...]
+(an ARCH ending in `+lora` trains LoRA adapters instead). With `--device cuda` (tests/cuda) the ranks
+train on their GPU under NCCL, and transformers' reference runs on the same GPU."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ BASE = ["model=hf", "deterministic=true", "train.max_steps=3", "train.global_bat
         "optim.warmup_steps=1", "optim.lr=1e-3", "checkpoint.every_steps=2", "diagnostics.memory_steps=0"]
 LORA = ["model.peft.method=lora", "model.peft.r=4", "model.peft.alpha=8"]
 CPU = torch.device("cpu")
+DEVICE = CPU  # main() sets this rank's GPU for --device cuda
 
 
 def first_batch(cfg) -> torch.Tensor:
@@ -44,7 +47,7 @@ def first_batch(cfg) -> torch.Tensor:
 
 def trained_model(cfg, ckpt: Path):
     """fsdpkit's model as it resumes from `ckpt` (sharded, on every rank)."""
-    trainer, plan = build_trainer(cfg, device=CPU, run_dir=Path(cfg.run_dir), init=False)
+    trainer, plan = build_trainer(cfg, device=DEVICE, run_dir=Path(cfg.run_dir), init=False)
     groups = CheckpointGroups.create(cfg.checkpoint)
     found = find_checkpoint(cfg.checkpoint, group=groups.sync)
     assert found.path is not None and Path(found.path).name == ckpt.name, found.path
@@ -57,22 +60,24 @@ def one(arch: str, folder: Path, runs: Path) -> dict:
     lora = arch.endswith("+lora")
     target_modules = "[c_attn]" if arch.startswith("gpt2") else "[q_proj,v_proj]"
     extra = LORA + [f"model.peft.target_modules={target_modules}"] if lora else []
-    args = BASE + extra + [f"model.path={folder}"]
+    on_gpu = ["device=cuda", "backend=nccl"] if DEVICE.type == "cuda" else []
+    args = BASE + extra + on_gpu + [f"model.path={folder}"]
     out: dict = {}
     full = compose_config(args + [f"run_dir={runs / arch / 'full'}"])
-    train(full, device=CPU)
+    train(full, device=DEVICE)
     tdist.barrier()
     resumed = compose_config(args + [f"run_dir={runs / arch / 'resumed'}",
                                      f"checkpoint.resume={runs / arch / 'full' / 'checkpoints' / 'step_2'}"])
-    train(resumed, device=CPU)
+    train(resumed, device=DEVICE)
     tdist.barrier()
     again = compose_config(args + [f"run_dir={runs / arch / 'full'}"])
     trainer = trained_model(again, runs / arch / "full" / "checkpoints" / "step_3")
     model = trainer.model.eval()
     batch = first_batch(full)
     with torch.no_grad():
-        logits = model_logits(model, batch[:, :-1]).float()  # [B, L, V], every rank runs the forward
-    ref = reference_model(folder)
+        logits = model_logits(model, batch[:, :-1].to(DEVICE)).float().cpu()  # [B, L, V], every rank runs it
+    ref = reference_model(folder)  # built on the CPU, as from_pretrained builds it, then moved
+    ref_on_device = ref.to(DEVICE)
     if dist.is_main():
         records = {name: read_records(runs / arch / name) for name in ("full", "resumed")}
         out["loss"] = [r["loss"] for r in records["full"]]
@@ -81,27 +86,33 @@ def one(arch: str, folder: Path, runs: Path) -> dict:
         out["resume_events"] = [json.loads(line) for line in open(runs / arch / "resumed" / "metrics.jsonl")
                                 if '"event": "resume"' in line]
         with torch.no_grad():  # transformers' own loss of step 1's batch: labels shift inside
-            out["reference_loss"] = float(ref(input_ids=batch, labels=batch).loss)
-        mine = dict(model.named_buffers())
-        out["buffers"] = {name: bool(name in mine and mine[name].shape == b.shape and torch.equal(mine[name], b))
-                          for name, b in ref.named_buffers()}
+            on = batch.to(DEVICE)
+            out["reference_loss"] = float(ref_on_device(input_ids=on, labels=on).loss)
+        mine = {name: b.cpu() for name, b in model.named_buffers()}
+        out["buffers"] = {name: bool(name in mine and mine[name].shape == b.shape and torch.equal(mine[name], b.cpu()))
+                          for name, b in ref_on_device.named_buffers()}
         out["buffers_extra"] = sorted(set(mine) - {n for n, _ in ref.named_buffers()})
         out["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
         torch.save(logits, runs / arch / "trained_logits.pt")
         torch.save(batch, runs / arch / "batch.pt")
         out["attn"] = ref.config._attn_implementation
         out["mine_attn"] = model.config._attn_implementation
-    del trainer, model
+    del trainer, model, ref, ref_on_device
     tdist.barrier()
     return out
 
 
 def main() -> None:
-    out_path, runs = Path(sys.argv[1]), Path(sys.argv[2])
+    global DEVICE
     enable_determinism()
-    dist.init_process_group(backend="gloo")
+    args = sys.argv[1:]
+    if args[:2] == ["--device", "cuda"]:
+        args = args[2:]
+        DEVICE = dist.pick_device("cuda")
+    out_path, runs = Path(args[0]), Path(args[1])
+    dist.init_process_group(backend="nccl" if DEVICE.type == "cuda" else "gloo")
     results = {}
-    for spec in sys.argv[3:]:
+    for spec in args[2:]:
         arch, folder = spec.split("=", 1)
         results[arch] = one(arch, Path(folder), runs)
     if dist.is_main():
