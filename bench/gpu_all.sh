@@ -7,7 +7,8 @@
 # gpu_checkpoint.json, pytest.txt, machine.txt, log.txt, RESULTS-gpu-section.md.
 # For a try on a CPU machine: SMOKE=1 (both scripts with --cpu-smoke) INSTALL=0 (no wheels) PY=<python>.
 # Time limits (seconds) can be changed: TRAIN_S (300), CKPT_S (75), CKPT_PARTS (async), TESTS_S (200); TRAIN_MODELS
-# (ref,hf); TEST_WORKERS (8, pytest-xdist); SKIP: the parts not to run, space-separated (e.g. "train").
+# (ref,hf); TEST_WORKERS (8, pytest-xdist); SKIP: the parts not to run, space-separated (e.g. "train");
+# TEST_SELECT: a pytest -k expression (to rerun some CUDA tests).
 set -u
 OUT=${OUT:?set OUT to the folder for the results}
 mkdir -p "$OUT"
@@ -64,6 +65,7 @@ part checkpoint "$CKPT_S" $PY -m torch.distributed.run --standalone --nproc-per-
 TEST_ARGS=""
 $PY -c 'import xdist' 2>/dev/null && TEST_ARGS="-n ${TEST_WORKERS:-8}"
 $PY -c 'import pytest_timeout' 2>/dev/null && TEST_ARGS="$TEST_ARGS --timeout $(( TESTS_S - 20 ))"
+[ -n "${TEST_SELECT:-}" ] && TEST_ARGS="$TEST_ARGS -k '$TEST_SELECT'"
 part cuda-tests "$TESTS_S" bash -c "$PY -m pytest tests/cuda -ra -v -p no:cacheprovider $TEST_ARGS --durations=0 2>&1 \
     | tee '$OUT/pytest.txt'; exit \${PIPESTATUS[0]}"
 part results-md 30 $PY bench/gpu_results_md.py --dir "$OUT" --out "$OUT/RESULTS-gpu-section.md"

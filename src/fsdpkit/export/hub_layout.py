@@ -76,14 +76,7 @@ def plan_hub_layout(model: Any, tensors: Mapping[str, TensorInfo]) -> HubLayout:
     """
     if model is None:
         return HubLayout(renamed={name: name for name in tensors})
-    from transformers.core_model_loading import (
-        PrefixChange,
-        WeightConverter,
-        WeightRenaming,
-        apply_converters,
-        apply_renamings,
-        revert_weight_conversion,
-    )
+    from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming, revert_weight_conversion
 
     conversions = getattr(model, "_weight_conversions", None)
     if conversions is None:  # as revert_weight_conversion does for a model not built by from_pretrained
@@ -101,9 +94,11 @@ def plan_hub_layout(model: Any, tensors: Mapping[str, TensorInfo]) -> HubLayout:
     layout = HubLayout(model=model)
     by_target: dict[str, list[str]] = {}
     for name in tensors:
-        target, pattern = apply_converters(name, converters)
+        target, pattern = _first_match(name, converters)
         if pattern is None:
-            layout.renamed[apply_renamings(name, renamings)] = name
+            for renaming in renamings:
+                target, _ = renaming.rename_source_key(target)
+            layout.renamed[target] = name
         else:
             by_target.setdefault(target, []).append(name)
     for inputs in by_target.values():
@@ -112,6 +107,17 @@ def plan_hub_layout(model: Any, tensors: Mapping[str, TensorInfo]) -> HubLayout:
     _check_against_transformers(layout, _revert_on_meta(revert_weight_conversion, model, meta(list(tensors))), tensors)
     layout.note = _describe(layout, type(model).__name__)
     return layout
+
+
+def _first_match(name: str, converters: list[Any]) -> tuple[str, str | None]:
+    """(the name the first converter matching `name` gives it, that converter's pattern), or
+    (name, None): what saving does before the renamings. Written on the transforms' own
+    `rename_source_key`, which every transformers 5 has (module-level helpers come and go)."""
+    for converter in converters:
+        target, pattern = converter.rename_source_key(name)
+        if pattern is not None:
+            return target, pattern
+    return name, None
 
 
 def _revert_on_meta(revert: Callable[..., dict[str, torch.Tensor]], model: Any,
