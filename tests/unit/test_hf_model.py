@@ -70,6 +70,26 @@ def test_bad_folders_get_one_clear_paragraph(tmp_path, gemma3):
         compose_config([f"model.path={gemma3}"])
 
 
+def test_a_transformers_older_than_the_tested_one_is_named(gemma3, monkeypatch):
+    """transformers 5.16 and older are refused by name, before the folder is read or exported;
+    5.17 and later (releases candidates and dev builds included) are taken."""
+    import transformers
+
+    from fsdpkit.export.hub_layout import meta_model_from_config
+
+    config, _ = hf_config(_cfg(gemma3))
+    for old in ("5.16.2", "4.57.0"):
+        monkeypatch.setattr(transformers, "__version__", old)
+        message = rf"this environment has transformers {old}: pip install -U 'transformers>=5.17'"
+        with pytest.raises(ImportError, match=message):
+            hf_config(_cfg(gemma3))
+        with pytest.raises(ImportError, match=message):
+            meta_model_from_config(config)
+    for new in ("5.17.0", "5.17.0rc1", "5.30.0.dev0", "6.0.0"):
+        monkeypatch.setattr(transformers, "__version__", new)
+        assert hf_config(_cfg(gemma3))[0].model_type == "gemma3_text"
+
+
 def test_data_tokenizer_defaults_to_the_model_folder(gemma3):
     cfg = compose_config(["model=hf", f"model.path={gemma3}", "data=hf", "data.files=[a.jsonl]"])
     assert cfg.data.tokenizer == str(gemma3)

@@ -31,7 +31,7 @@ from fsdpkit.checkpoint.storage import RemotePath, open_storage
 from fsdpkit.export.keys import clean_name
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
 from fsdpkit.model import reset_nonpersistent_buffers
-from fsdpkit.model.hf import transformers_class
+from fsdpkit.model.hf import require_transformers, transformers_class
 
 # Buffers that older transformers versions saved but that every model recomputes.
 IGNORED_FILE_KEYS = ("rotary_emb.inv_freq",)
@@ -80,6 +80,7 @@ def _conversions(model: nn.Module) -> tuple[list[Any], list[Any], dict[str, Any]
     legacy names included), or none for a model transformers did not build."""
     if not hasattr(model, "base_model_prefix") or not hasattr(model, "config"):
         return [], [], {}
+    require_transformers()
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming
 

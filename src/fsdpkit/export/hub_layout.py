@@ -58,8 +58,9 @@ class HubLayout:
 
 def meta_model_from_config(config: Any) -> Any:
     """The causal LM transformers builds from `config` (a PretrainedConfig), on the meta device."""
-    import transformers
+    from fsdpkit.model.hf import require_transformers
 
+    transformers = require_transformers()
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(config)
 

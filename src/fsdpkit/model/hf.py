@@ -33,12 +33,25 @@ _BOOKKEEPING = frozenset({"transformers_version", "_name_or_path", "architecture
 log = logging.getLogger("fsdpkit.model")
 
 
-def _transformers():
+# The oldest transformers fsdpkit is tested with (tests/cuda ran on 5.17, CI on the newest): reading and
+# writing hub folders goes through transformers 5's weight conversions (transformers.core_model_loading),
+# whose helpers change between releases.
+MIN_TRANSFORMERS = "5.17"
+
+
+def require_transformers():
+    """The transformers module, or an ImportError that says which version to install."""
     try:
         import transformers
     except ImportError:
         raise ImportError("model.kind=hf needs transformers: pip install 'fsdpkit[hf]' (with -c constraints.txt "
                           "here)") from None
+    from packaging.version import Version
+
+    if Version(transformers.__version__).release < Version(MIN_TRANSFORMERS).release:
+        raise ImportError(f"fsdpkit reads and writes Hugging Face folders through transformers>={MIN_TRANSFORMERS}'s "
+                          f"weight conversions, and this environment has transformers {transformers.__version__}: "
+                          f"pip install -U 'transformers>={MIN_TRANSFORMERS}'")
     return transformers
 
 
@@ -89,7 +102,7 @@ def hf_config(model_cfg: Any) -> tuple[Any, list[str]]:
         ValueError: a quantized folder, a config transformers cannot read, an override of a field
             the config does not have, or an architecture that is not a causal LM.
     """
-    transformers = _transformers()
+    transformers = require_transformers()
     overrides = dict(model_cfg.hf_config or {})
     if not model_cfg.path:
         kwargs = decode_special_floats(dict(overrides))
@@ -124,7 +137,7 @@ def hf_config(model_cfg: Any) -> tuple[Any, list[str]]:
 
 
 def _check_causal_lm(config: Any, *, where: str) -> None:
-    transformers = _transformers()
+    transformers = require_transformers()
     if type(config) not in transformers.MODEL_FOR_CAUSAL_LM_MAPPING:
         arch = ", ".join(getattr(config, "architectures", None) or []) or config.model_type
         raise ValueError(f"{where}: {arch} ({type(config).__name__}) is not a causal language model that transformers "
@@ -142,7 +155,7 @@ def resolved_hf_config(model_cfg: Any) -> dict[str, Any]:
 def build_hf_model(model_cfg: Any) -> nn.Module:
     """`AutoModelForCausalLM.from_config` of `hf_config(model_cfg)`, fp32 parameters, with
     `model.attn_implementation` (empty: transformers' choice for the model)."""
-    transformers = _transformers()
+    transformers = require_transformers()
     config, _ = hf_config(model_cfg)
     attn = model_cfg.attn_implementation or None
     try:
