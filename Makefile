@@ -16,12 +16,14 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
 
-# Two pytest workers (pytest-xdist), each test file whole on one worker (its module fixtures run once).
-# The suite is CPU-bound on 2 cores: three workers took 19:25 against two's 18:40 (one run each, 4f62732,
-# before the test ranks of `fsdpkit train --nproc` were forked too; two workers now: 12:51-14:09).
+# Two pytest workers (pytest-xdist), each test file whole on one worker (its module fixtures run once),
+# the files that launch ranks first (tests/conftest.py: pytest_collection_modifyitems; xdist's own order
+# would be the files with most tests first). The suite is CPU-bound on 2 cores: three workers took 19:25
+# against two's 18:40 (one run each, 4f62732, before the test ranks of `fsdpkit train --nproc` were forked
+# too; two workers now: 12:51-14:09).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The documentation site (MkDocs + Material): built with warnings as errors (a broken link, a missing
 # page or a stale reference fails); the reference pages are generated from the code (docs/hooks.py).

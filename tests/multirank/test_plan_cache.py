@@ -11,6 +11,7 @@ import pytest
 
 from conftest import torchrun
 
+pytestmark = pytest.mark.dist
 WORKER = Path(__file__).with_name("plan_cache_worker.py")
 
 
