@@ -41,7 +41,7 @@ from fsdpkit.checkpoint.layout import (
     utc_stamp,
 )
 from fsdpkit.checkpoint.manifest import read_manifest
-from fsdpkit.checkpoint.storage import RemotePath, fsync_dir, move_tree
+from fsdpkit.checkpoint.storage import RemotePath, fsync_path, move_tree
 from fsdpkit.checkpoint.storage.object_lock import ObjectLock
 
 log = logging.getLogger("fsdpkit.checkpoint")
@@ -163,7 +163,7 @@ def _archive(root: CkptPath, paths: list[CkptPath], moved: dict[str, str], *, wh
     if latest_names in {p.name for p in paths}:
         move_tree(root / LATEST, dest / LATEST)
     if not isinstance(root, RemotePath):
-        fsync_dir(root)
+        fsync_path(root)
     return f"moved {', '.join(p.name for p in sorted(paths))} ({why}) to {dest}"
 
 

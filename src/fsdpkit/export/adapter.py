@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fsdpkit import __version__
-from fsdpkit.checkpoint.storage import fsync_dir
+from fsdpkit.checkpoint.storage import fsync_path
 from fsdpkit.export.destination import protected_paths
 from fsdpkit.export.exporter import (
     _check_destination,
@@ -33,7 +33,7 @@ from fsdpkit.export.exporter import (
     _publish,
     parse_dtype,
 )
-from fsdpkit.export.hf_folder import fsync_file, write_folder_files
+from fsdpkit.export.hf_folder import write_folder_files
 from fsdpkit.export.keys import model_weights
 from fsdpkit.export.naming import drop_tied
 from fsdpkit.export.safetensors_io import SINGLE_FILE, StreamingSafetensorsWriter
@@ -103,8 +103,8 @@ def _export(ckpt: str | os.PathLike, out: str | os.PathLike, *, overwrite: bool,
         try:
             report = fill(opened, settings, tmp)
             for file in (p for p in tmp.rglob("*") if p.is_file()):  # peft's and transformers' files too
-                fsync_file(file)
-            fsync_dir(tmp)
+                fsync_path(file)
+            fsync_path(tmp)
             _publish(tmp, out, overwrite=overwrite)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -33,7 +33,7 @@ from fsdpkit import __version__, tunables
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.manifest import check_files_present, dtype_name
 from fsdpkit.checkpoint.resume import verify_files
-from fsdpkit.checkpoint.storage import fsync_dir
+from fsdpkit.checkpoint.storage import fsync_path
 from fsdpkit.config.schema import ExportConfig
 from fsdpkit.export.destination import (
     EXPORTED_BY,
@@ -182,7 +182,7 @@ def export_checkpoint(
                                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
                 folder_files = write_folder_files(tmp, opened, target=target, out_dtypes=out_dtypes,
                                                   model_config=model_config, out=out, write_config=write_config)
-                fsync_dir(tmp)
+                fsync_path(tmp)
             _publish(tmp, out, overwrite=overwrite)
         except BaseException:
             if tmp.is_dir():
@@ -441,7 +441,7 @@ def _publish(tmp: Path, out: Path, *, overwrite: bool) -> None:
     elif out.is_dir():
         out.rmdir()  # an empty directory the user created for us
     os.replace(tmp, out)
-    fsync_dir(out.parent)
+    fsync_path(out.parent)
     if old is not None and old.is_dir():
         shutil.rmtree(old)
     elif old is not None:

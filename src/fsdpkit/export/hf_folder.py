@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fsdpkit.checkpoint.storage import fsync_path
 from fsdpkit.export.hf_config import hf_configs
 from fsdpkit.export.model_config import CONFIG_HINT, GENERATION_FILE, ModelConfig, config_files
 from fsdpkit.export.sources import OpenedCheckpoint
@@ -103,7 +104,7 @@ def _copy_generation_config(folder: Path, path: str, *, out: Path, found: Folder
     source = Path(path) / GENERATION_FILE
     if source.is_file():
         shutil.copyfile(source, folder / GENERATION_FILE)
-        fsync_file(folder / GENERATION_FILE)
+        fsync_path(folder / GENERATION_FILE)
         found.added.append(f"{GENERATION_FILE} copied from the run's model folder {path} (model.path)")
     elif not Path(path).is_dir():
         found.not_added.append(
@@ -164,7 +165,7 @@ def _move_tokenizer_files(staging: Path, folder: Path) -> list[str]:
             raise ValueError(f"the tokenizer's save_pretrained wrote {entry.name}, which the export holds already; "
                              "export without the tokenizer (move data.tokenizer aside) and add it yourself")
         for file in ([entry] if entry.is_file() else sorted(p for p in entry.rglob("*") if p.is_file())):
-            fsync_file(file)
+            fsync_path(file)
         os.replace(entry, folder / entry.name)
         written.append(entry.name + ("/" if (folder / entry.name).is_dir() else ""))
     staging.rmdir()
@@ -178,10 +179,3 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
 
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

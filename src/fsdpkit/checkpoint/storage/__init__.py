@@ -208,7 +208,8 @@ class RemotePath:
 
 # -- the operations an object store lacks -------------------------------------------------------
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """fsync a local file, or a directory (its entries: a rename or a new file in it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -229,7 +230,7 @@ def atomic_write_text(path: Path, text: str | bytes) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # e.g. ENOSPC: leave no half-written temporary behind
         raise
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def write_atomic(path: Path | RemotePath, text: str | bytes) -> None:
@@ -260,7 +261,7 @@ def move_tree(src: Path | RemotePath, dst: Path | RemotePath, *, last: str | Non
     marker, at every moment at least one of the two is whole and committed."""
     if not isinstance(src, RemotePath):
         os.rename(src, dst)
-        fsync_dir(Path(dst).parent)
+        fsync_path(Path(dst).parent)
         return
     if not isinstance(dst, RemotePath):
         raise ValueError(f"cannot move {src} to the local {dst}")
