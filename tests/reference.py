@@ -1,5 +1,6 @@
 """A single-process, non-sharded reference training loop: plain nn.Module, plain
-`clip_grad_norm_`, the same data, init and hyper-parameters. What FSDP runs are compared to."""
+`clip_grad_norm_`, the loss written here with torch alone (not fsdpkit's), the same data, init and
+hyper-parameters. What FSDP runs are compared to."""
 
 from __future__ import annotations
 
@@ -9,8 +10,15 @@ from fsdpkit.config import Config
 from fsdpkit.data import GlobalSampler, build_datasets
 from fsdpkit.model import build_model, init_std
 from fsdpkit.parallel import init_weights
-from fsdpkit.train.loop import token_loss_sum
 from fsdpkit.train.optim import build_optimizer, build_scheduler
+
+
+def token_loss_sum(model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """Summed next-token cross-entropy of batch [B, L+1]: the logits of batch[:, :-1] against batch[:, 1:]."""
+    out = model(batch[:, :-1])
+    logits = out if isinstance(out, torch.Tensor) else out.logits  # [B, L, V]
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                             reduction="sum")
 
 
 def reference_run(cfg: Config) -> dict[str, list[float] | float]:
