@@ -124,7 +124,7 @@ QUICK = {"sizes_gib": "0.125", "runs": 2, "b3_runs": 1, "b6_size_gib": 0.0625, "
          "scale_runs": 1}
 FULL = {"sizes_gib": "1", "runs": 5, "b3_runs": 3, "b6_size_gib": 0.5, "b6_steps": 80, "b6_every": 20,
         "step_ms": 100.0, "ceiling_gib": 1.0, "memcpy_mib": 512, "b6_rounds": 5, "ceiling_reps": 5,
-        "resume_launches": 5, "resume_runs": 3, "scale_sizes_gib": "0.01,0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0,
+        "resume_launches": 5, "resume_runs": 4, "scale_sizes_gib": "0.01,0.25,0.5,1,2,4", "scale_rank_size_gib": 1.0,
         "scale_ranks": "1,2,4",
         "scale_runs": 6}
 
@@ -298,7 +298,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ceiling-reps", type=int, help="repetitions of every ceiling, medians (default 5)")
     p.add_argument("--resume-launches", type=int, help="B7: fresh resumed runs per method (default 5)")
     p.add_argument("--resume-runs", type=int, help="B7: checkpoint parts repeated per method in each launch, after "
-                                                   "its first step, rounded up to a multiple of 3 (default 3)")
+                                                   "its first step, rounded up to a multiple of 2 (default 4)")
     p.add_argument("--scale-sizes-gib", help="B8: state sizes over 2 ranks (default 0.01,0.25,0.5,1,2,4: the smallest "
                                              "pins the constant of the fit)")
     p.add_argument("--scale-rank-size-gib", type=float, help="B8: state size for the rank counts (default 1)")

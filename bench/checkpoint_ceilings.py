@@ -56,8 +56,8 @@ def _write_file(path: Path, nbytes: int, block: bytes, *, writeback: int = 0,
 def _read_file(path: Path, *, drop: bool, direct: bool = False) -> float:
     """Seconds to read `path` in CHUNK reads (after evicting it from the page cache if `drop`):
     with O_DIRECT, or through the page cache with a new descriptor every 16 MiB, as fsdpkit's
-    loads read (fsdpkit.checkpoint.io.page_cache: on a VM that returns free memory to its host, one
-    descriptor's growing readahead was up to 2.5x slower)."""
+    checksum pass before a load reads (fsdpkit.checkpoint.io.page_cache: on a VM that returns free
+    memory to its host, one descriptor's growing readahead was up to 2.5x slower)."""
     from fsdpkit.checkpoint.io.page_cache import SequentialReader
 
     if drop:

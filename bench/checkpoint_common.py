@@ -26,28 +26,27 @@ B6_MODES = ("no checkpoint", "fsdpkit sync", OUR_ASYNC, OUR_ASYNC_BG, DCP_ASYNC)
 # B4 and B5
 OUR_LOAD = "fsdpkit load_checkpoint"
 OUR_LOAD_VERIFY = "fsdpkit load_checkpoint, verify=True"
-OUR_LOAD_PLAIN = "fsdpkit load_checkpoint, io=plain"  # checkpoint.io=plain: the A/B of the verifying reader
 DCP_LOAD = "dcp.load + set_state_dict"
 RAW_READ = "raw read of each rank's share of the bytes (ceiling)"  # B4/B5's disk ceiling
 
 # B7 and B8
-FSDPKIT, PLAIN = "fsdpkit resume (files verified while loading)", DCP_LOAD
-TWO_READS = "fsdpkit, files verified before loading (two reads)"
-RESUME_METHODS = (FSDPKIT, TWO_READS, PLAIN)
+FSDPKIT, PLAIN = "fsdpkit resume (files verified before loading)", DCP_LOAD
+RESUME_METHODS = (FSDPKIT, PLAIN)
 
-DE_BRUIJN_3 = (0, 0, 1, 0, 2, 1, 1, 2, 2)
-"""Three methods, each 3 times, each following every method (itself too) once, but for the pair
-(2, 0) (the cycle's wrap-around)."""
+DE_BRUIJN = {2: (0, 0, 1, 1), 3: (0, 0, 1, 0, 2, 1, 1, 2, 2)}
+"""Per number of methods, a cycle in which each method comes as often as the others and follows
+every method (itself too) once, but for the pair the cycle's wrap-around makes ((1, 0), (2, 0))."""
 
 
 def balanced_order(methods: tuple[str, ...], runs: int, *, start: int) -> list[str]:
-    """`runs` loads of each of 3 `methods` (rounded up to a multiple of 3), in an order where each
-    follows each about equally often, the methods' roles rotated by `start`. Why: in one process,
-    a load right after a `dcp.load` ran up to 2x slower than after a load of another kind (1 GiB,
-    2 ranks: fsdpkit's 1.34-1.68 s after a dcp.load, 0.56-0.92 s after its own; dcp.load's 0.60-0.73
-    s either way), so a plain rotation, in which one method follows dcp.load more often than
-    dcp.load does, measured the order."""
-    if len(methods) != 3:
-        raise ValueError(f"balanced_order takes 3 methods, got {len(methods)}")
-    names = methods[start:] + methods[:start]
-    return [names[i] for _ in range(-(-runs // 3)) for i in DE_BRUIJN_3]
+    """`runs` loads of each of 2 or 3 `methods` (rounded up to a whole number of DE_BRUIJN cycles:
+    a multiple of 2 or 3), in an order where each follows each about equally often, the methods'
+    roles rotated by `start`. Why: in one process, a load right after a `dcp.load` ran up to 2x
+    slower than after a load of another kind (1 GiB, 2 ranks: fsdpkit's 1.34-1.68 s after a
+    dcp.load, 0.56-0.92 s after its own; dcp.load's 0.60-0.73 s either way), so a plain rotation,
+    in which one method follows dcp.load more often than dcp.load does, measured the order."""
+    if len(methods) not in DE_BRUIJN:
+        raise ValueError(f"balanced_order takes 2 or 3 methods, got {len(methods)}")
+    cycle, names = DE_BRUIJN[len(methods)], methods[start:] + methods[:start]
+    per_cycle = len(cycle) // len(methods)
+    return [names[i] for _ in range(-(-runs // per_cycle)) for i in cycle]

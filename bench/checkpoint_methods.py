@@ -189,7 +189,7 @@ def load_dcp_plain(b: Bench, path: Path) -> None:
 def read_raw(b: Bench, path: Path) -> None:
     """The disk's read ceiling for this load, taken beside it: rank r of N reads the r-th Nth of
     the checkpoint's data files (their bytes one after another) in 16 MiB preads into one buffer,
-    each through a new descriptor, as fsdpkit's loads restart the readahead (page_cache)."""
+    each through a new descriptor, as fsdpkit's checksum pass restarts the readahead (page_cache)."""
     files = sorted(path.glob("*.distcp"))
     sizes = [f.stat().st_size for f in files]
     total, n = sum(sizes), tdist.get_world_size(b.sync_group)

@@ -14,7 +14,6 @@ from checkpoint_tables import (
     b6_rows,
     b7_rows,
     b8_rows,
-    io_ab_rows,
     load_rows,
     memcpy_ceiling_gbps,
     min_max,
@@ -89,7 +88,7 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
     memcpy = memcpy_ceiling_gbps(c)
     cfg = res["config"]
     targets: list[dict[str, Any]] = []
-    b1, b1_notes, b2, b3, loads, b6, b7, ioab = [], [], [], [], [], [], [], []
+    b1, b1_notes, b2, b3, loads, b6, b7 = [], [], [], [], [], [], []
     sizes_desc = []
     for size, per in res["sizes"].items():
         main = per.get("main", {})
@@ -103,7 +102,6 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
         if "B3" in main:
             b3_rows(size, main, targets, b3)
         load_rows(size, per, targets, loads)
-        io_ab_rows(size, main, ioab)
         if per.get("whole_resume"):
             b7_rows(size, per["whole_resume"], targets, b7)
     for key, label in (("goodput", "2 ranks (no core free)"), ("goodput_free_core", "1 rank (a core free)")):
@@ -174,20 +172,14 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "| size GiB | ranks | fsdpkit s | fsdpkit + verify s | dcp.load s | raw read of the same bytes s "
                 "(fsdpkit / it) | fsdpkit / 2 ranks | verify / 2 ranks |",
                 "|---|---|---|---|---|---|---|---|", *loads]
-    if ioab:
-        out += ["", "### checkpoint.io A/B: fast (the verifying reader) against plain (DCP's own reader after a "
-                "checksum pass), same rotation",
-                "| size GiB | phase | fast s (median) | min–max (n) | plain s (median) | min–max (n) "
-                "| plain / fast |",
-                "|---|---|---|---|---|---|---|", *ioab]
     if b7:
         out += ["", f"### B7 whole resume ({cfg['resume_launches']} fresh torchrun launches per method, alternating, "
                 "pages evicted before each; 2 ranks)",
                 "From the launch of torchrun to the end of the first training step after the resume (a real "
                 "forward/backward/AdamW step). The checkpoint part: fsdpkit = resolve (newest committed) + "
-                "load_checkpoint(verify=True, verify_files=True) (every file's checksum from the load's own read, "
-                "then per-tensor checksums); plain = dcp.load + set_state_dict. 'in-process' = the "
-                f"checkpoint part repeated {-(-cfg.get('resume_runs', 1) // 3) * 3} time(s) per method in each launch "
+                "load_checkpoint(verify=True, verify_files=True) (a pass that checks every file's checksum, the "
+                "load, then per-tensor checksums); plain = dcp.load + set_state_dict. 'in-process' = the "
+                f"checkpoint part repeated {-(-cfg.get('resume_runs', 1) // 2) * 2} time(s) per method in each launch "
                 "after the first step (cold pages; each method following each about equally often: in one process "
                 "fsdpkit's load right after a dcp.load ran up to 2x slower than after its own), pooled.",
                 "| size GiB | method | launch → first step s (median) | min–max (n) | launch → model built s | "

@@ -5,19 +5,17 @@ run does, timed from the orchestrator's launch of torchrun (BENCH_T0, wall clock
 same host) until the first training step after the resume returned on every rank:
 
 - fsdpkit: `resolve_checkpoint("auto")` (the newest committed checkpoint) +
-  `load_checkpoint(verify=True, verify_files=True)` (fingerprint check, DCP load with every file's
-  checksum taken from the same read, post-load per-tensor checksums), i.e. what `find_checkpoint`
-  + `Checkpointer.resume` do with the default settings (`checkpoint.verify_checksums`,
-  `checkpoint.verify_on_load`), minus the directory lock;
-- plain DCP: `dcp.load` of the same directory (its path known) + `set_state_dict`;
-- in-process only, fsdpkit as it resumed before issue 15: every file's checksum verified first
-  (`resolve_checkpoint(verify_checksums=True)`, a full read), then `load_checkpoint(verify=True)`.
+  `load_checkpoint(verify=True, verify_files=True)` (fingerprint check, a pass that checks every
+  file's checksum, DCP load through the safe reader, post-load per-tensor checksums), i.e. what
+  `find_checkpoint` + `Checkpointer.resume` do with the default settings
+  (`checkpoint.verify_checksums`, `checkpoint.verify_on_load`), minus the directory lock;
+- plain DCP: `dcp.load` of the same directory (its path known) + `set_state_dict`.
 
 The first step is one real forward/backward/AdamW step. The checkpoint part (resolution to loaded
 and verified) is timed apart; after the first step the same process repeats the checkpoint part of
-all three `--runs` times each (rounded up to a multiple of 3; pages evicted before each; each
-method following each about equally often, see `checkpoint_common.balanced_order`) for medians
-and peak RSS.
+both `--runs` times each (rounded up to a multiple of 2; pages evicted before each; each method
+following each about equally often, see `checkpoint_common.balanced_order`) for medians and peak
+RSS.
 
 Scaling (phase "scale"): per (size, ranks), fsdpkit `save_checkpoint` and plain `dcp.save`
 alternating, `--scale-runs` times each, wall time and peak RSS; the last fsdpkit save stays for
@@ -43,7 +41,6 @@ from checkpoint_common import (
     PLAIN,
     RESUME_METHODS,
     T0_ENV,
-    TWO_READS,
     balanced_order,
 )
 from checkpoint_measure import (
@@ -62,26 +59,18 @@ from checkpoint_model import Bench, real_step
 from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
 
 
-def _resume(b: Bench, root: Path, *, before: bool) -> dict[str, Any]:
+def resume_fsdpkit(b: Bench, root: Path) -> dict[str, Any]:
+    """What `find_checkpoint` + `Checkpointer.resume` do with the default settings: resolution,
+    then `load_checkpoint(verify=True, verify_files=True)` (a checksum pass over every file, then
+    the load; its load_s covers both)."""
     t0 = time.perf_counter()
-    path = resolve_checkpoint("auto", ckpt_root=root, group=b.sync_group, verify_checksums=before)
+    path = resolve_checkpoint("auto", ckpt_root=root, group=b.sync_group, verify_checksums=False)
     if path is None:
         raise RuntimeError(f"no committed checkpoint under {root}")
     t1 = time.perf_counter()
     report = load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group, verify=True,
-                             verify_files=not before)
+                             verify_files=True)
     return {"resolve_s": t1 - t0, "load_s": report.load_s, "verify_s": report.verify_s}
-
-
-def resume_fsdpkit(b: Bench, root: Path) -> dict[str, Any]:
-    """What `find_checkpoint` + `Checkpointer.resume` do with the default settings: resolution,
-    then `load_checkpoint(verify=True, verify_files=True)` (file checksums from the load's read)."""
-    return _resume(b, root, before=False)
-
-
-def resume_two_reads(b: Bench, root: Path) -> dict[str, Any]:
-    """The resume before issue 15: every file's checksum verified first (a full read), then the load."""
-    return _resume(b, root, before=True)
 
 
 def resume_plain(b: Bench, root: Path) -> dict[str, Any]:
@@ -95,7 +84,7 @@ def resume_plain(b: Bench, root: Path) -> dict[str, Any]:
     return {}
 
 
-RESUMES = {FSDPKIT: resume_fsdpkit, TWO_READS: resume_two_reads, PLAIN: resume_plain}
+RESUMES = {FSDPKIT: resume_fsdpkit, PLAIN: resume_plain}
 
 
 def _cold(b: Bench, root: Path) -> None:

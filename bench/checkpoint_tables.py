@@ -15,7 +15,6 @@ from checkpoint_common import (
     OUR_ASYNC,
     OUR_ASYNC_BG,
     OUR_LOAD,
-    OUR_LOAD_PLAIN,
     OUR_LOAD_VERIFY,
     OUR_SYNC,
     PLAIN,
@@ -25,7 +24,6 @@ from checkpoint_common import (
     RAW_WRITE_WB,
     RESUME_METHODS,
     TORCH_SYNC,
-    TWO_READS,
     balanced_order,
 )
 
@@ -197,17 +195,6 @@ def b3_rows(size: str, main: dict[str, Any], targets: list, lines: list) -> None
             f"{added:.0f} MiB = {added / s_mib:.2f} S (its staging buffer is 1 S)")
 
 
-def io_ab_rows(size: str, main: dict[str, Any], lines: list) -> None:
-    """checkpoint.io fast against plain, each pair timed in the same rotation (B4 loads on 2 ranks
-    without verification; saves have one writer): median, min–max (n), plain / fast."""
-    for phase, fast, plain in (("B4 load", OUR_LOAD, OUR_LOAD_PLAIN),):
-        runs = main.get(phase[:2], {}).get("seconds", {})
-        if fast in runs and plain in runs:
-            f, p = _median(runs[fast]), _median(runs[plain])
-            lines.append(f"| {size} | {phase} | {f:.2f} | {min_max(runs[fast])} | {p:.2f} | {min_max(runs[plain])} | "
-                         f"{p / f:.2f} |")
-
-
 def load_rows(size: str, per: dict[str, Any], targets: list, lines: list) -> None:
     same = per.get("main", {}).get("B4")
     rows = [("2", same)] + [(str(n), per.get(f"load_{n}", {}).get("B5")) for n in (1, 3)]
@@ -287,7 +274,7 @@ def b6_rows(g: dict[str, Any], label: str, targets: list, lines: list) -> None:
 def b7_rows(size: str, runs: list[dict[str, Any]], targets: list, lines: list) -> None:
     """Whole resume: launches (process start -> first step) and the checkpoint part in-process."""
     res = [r["resume"] for r in runs]
-    for m in (FSDPKIT, TWO_READS, PLAIN):
+    for m in RESUME_METHODS:
         part = [x for r in res for x in r["seconds"].get(m, [])]
         firsts = [r for r in res if r["first_method"] == m]
         whole = [r["start_to_first_step_s"] for r in firsts]
@@ -304,13 +291,12 @@ def b7_rows(size: str, runs: list[dict[str, Any]], targets: list, lines: list) -
     part_f = _median([x for r in res for x in r["seconds"][FSDPKIT]])
     part_p = _median([x for r in res for x in r["seconds"][PLAIN]])
     x = part_f / part_p
-    _target(targets, "B7 whole resume, checkpoint part: fsdpkit (resolve + load verifying files as read + "
-            "tensor checks) / dcp.load + set_state_dict", size, x, "<= 1.2", x <= 1.2,
-            f"{part_f:.2f} s / {part_p:.2f} s = {x:.2f} (files verified before loading, two reads: "
-            f"{_median([x for r in res for x in r['seconds'].get(TWO_READS, [])] or [float('nan')]) / part_p:.2f})")
+    _target(targets, "B7 whole resume, checkpoint part: fsdpkit (resolve + a checksum pass over every file + "
+            "load + tensor checks) / dcp.load + set_state_dict", size, x, "<= 1.2", x <= 1.2,
+            f"{part_f:.2f} s / {part_p:.2f} s = {x:.2f}")
     after = _by_predecessor(res, RESUME_METHODS, balanced_order)
     if after:
-        short = {FSDPKIT: "fsdpkit", TWO_READS: "two reads", PLAIN: "dcp.load"}
+        short = {FSDPKIT: "fsdpkit", PLAIN: "dcp.load"}
         lines.append(f"in-process checkpoint part at {size} GiB by the load just before it in the process (medians, "
                      "n): " + "; ".join(
             f"{short[m]} after " + ", ".join(f"{short[p]} {_median(after[m, p]):.2f} s ({len(after[m, p])})"

@@ -27,7 +27,6 @@ import torch.distributed as tdist
 from checkpoint_common import (
     DCP_LOAD,
     OUR_LOAD,
-    OUR_LOAD_PLAIN,
     OUR_LOAD_VERIFY,
     OUR_SYNC,
     RAW_READ,
@@ -229,8 +228,6 @@ def bench_load(b: Bench, path: Path, runs: int) -> dict[str, Any]:
                                               verify=False),
         OUR_LOAD_VERIFY: lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group,
                                                      verify=True),
-        OUR_LOAD_PLAIN: lambda: load_checkpoint(b.target, path, fingerprint=b.fingerprint, group=b.sync_group,
-                                                verify=False, io="plain"),
         DCP_LOAD: lambda: load_dcp_plain(b, path),
         RAW_READ: lambda: read_raw(b, path),
     }

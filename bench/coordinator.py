@@ -5,10 +5,11 @@ each, param-group entries, each rank's RNG: ~2,900 DCP items), every tensor tiny
 the coordinator's cost grows with tensors x ranks, not with bytes (coordinator_state.py).
 
 Real ranks (2, 4, 8, 16 gloo processes on this host; coordinator_worker.py): fsdpkit's save
-(save_checkpoint) and resume (resolve_checkpoint + load_checkpoint with file checksums from the
-load's read, as a Checkpointer does) beside plain dcp.save / dcp.load of the same state dict.
-Rank 0 measures wall and CPU time outside the storage writer's write_data and the reader's
-read_data (the rest is planning, gathers, metadata, manifest, commit), the pickled bytes of the
+(save_checkpoint) and resume (resolve_checkpoint + load_checkpoint with a pass that checks every
+file's checksum first, as a Checkpointer does) beside plain dcp.save / dcp.load of the same state
+dict. Rank 0 measures wall and CPU time outside the storage writer's write_data, the reader's
+read_data and that checksum pass (the rest is planning, gathers, metadata, manifest, commit), the
+pickled bytes of the
 object collectives, `.metadata` and `manifest.json` sizes and its peak RSS; the first save apart,
 then medians of the repeats.
 

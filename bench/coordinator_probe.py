@@ -1,5 +1,6 @@
-"""B9's instruments, installed in a rank's process: time inside the storage writer's write_data and
-the reader's read_data (so the rest of a save or a resume is the coordination around the data),
+"""B9's instruments, installed in a rank's process: time inside the storage writer's write_data, the
+reader's read_data and fsdpkit's checksum pass before a load (resume.verify_files) (so the rest of a
+save or a resume is the coordination around the data),
 bytes moved by the object collectives (what DCP and fsdpkit gather at rank 0), and peak RSS per
 phase (Linux: VmHWM, reset through /proc/self/clear_refs).
 """
@@ -17,16 +18,17 @@ import torch.distributed as tdist
 
 
 class IoClock:
-    """Wall and process CPU time spent in write_data / read_data (nested calls counted once)."""
+    """Wall and process CPU time spent in the data I/O calls wrapped (nested calls counted once)."""
 
     def __init__(self) -> None:
         self.wall = self.cpu = 0.0
         self._depth = 0
 
-    def wrap(self, cls: type, name: str) -> None:
-        if name not in cls.__dict__:
+    def wrap(self, owner: Any, name: str) -> None:
+        """Time `owner.name` (a method of a class, or a function of a module) from now on."""
+        if name not in vars(owner):
             return
-        original = cls.__dict__[name]
+        original = vars(owner)[name]
         clock = self
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -40,7 +42,7 @@ class IoClock:
                     clock.wall += time.perf_counter() - t0
                     clock.cpu += time.process_time() - c0
 
-        setattr(cls, name, timed)
+        setattr(owner, name, timed)
 
     def reset(self) -> None:
         self.wall = self.cpu = 0.0
@@ -49,12 +51,13 @@ class IoClock:
 def install_io_clock() -> IoClock:
     from torch.distributed.checkpoint.filesystem import FileSystemReader, _FileSystemWriter
 
-    from fsdpkit.checkpoint.io.verified_read import VerifyingFileSystemReader
+    from fsdpkit.checkpoint import resume
 
     clock = IoClock()
     clock.wrap(_FileSystemWriter, "write_data")
     clock.wrap(FileSystemReader, "read_data")
-    clock.wrap(VerifyingFileSystemReader, "read_data")
+    # the checksum pass reads every file before the load (its one gather of what it found counts here too)
+    clock.wrap(resume, "verify_files")
     return clock
 
 

@@ -11,9 +11,10 @@ file per rank, as DigestFileSystem reports), the manifest built, sealed and writ
 Load: reading `.metadata` (DCP: pickle; fsdpkit: its allow-list unpickler, and the file's
 checksum first), rank 0's local load plan, the N load plans gathered, create_global_plan, the
 scatter, finish_plan; fsdpkit adds resolution (committed_candidates: manifest read and checked,
-every file's presence and size), the fingerprint checks, and the gather of per-rank file digests
-(file_problems). No tensor data is written or read, and the other ranks' own work (their local
-plans, their pickling) is done outside the timed phases.
+every file's presence and size), the fingerprint checks, and the gather of every rank's checksum
+problems (resume.verify_files, before the load). No tensor data is written or read (of rank 0's
+share of the checksum pass, only `.metadata` is hashed), and the other ranks' own work (their
+local plans, their pickling) is done outside the timed phases.
 
 Usage: python bench/coordinator_sim.py --world N --repeats R --dir D --out F.json
 """
@@ -45,8 +46,7 @@ from coordinator_probe import peak_rss_mb, reset_peak_rss
 from coordinator_state import LAYERS, Llama70BShape, manifest_meta
 from fsdpkit.checkpoint import save as fsave
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
-from fsdpkit.checkpoint.io import hashing_writer
-from fsdpkit.checkpoint.io.verified_read import VerifyingFileSystemReader, file_problems
+from fsdpkit.checkpoint.io import hashing_writer, safe_reader
 from fsdpkit.checkpoint.layout import MANIFEST, step_dir_name
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.resume import check_optimizer, committed_candidates
@@ -202,23 +202,12 @@ class Sim:
             check_fingerprint(manifest["fingerprint"], self.meta["fingerprint"], ckpt_dir=path)
             check_optimizer(manifest, self.target, ckpt_dir=path)
         assert not problems, problems[:3]
-        files = manifest["files"]
-        with ph("metadata_checksum"):
+        with ph("metadata_checksum"):  # rank 0's share of resume.verify_files: .metadata sorts first
             file_checksum(path / METADATA_FILENAME)
-        reader = VerifyingFileSystemReader(path, sizes={n: i["size"] for n, i in files.items()}, hash_files=True)
+        problems = received(ph, "gather_problems", [pickle.dumps([]) for _ in range(self.world)])
+        assert not [p for mine in problems for p in mine]
         # resume._load_sharded reads the metadata once for its RNG check, then dcp.load reads it again
-        self.dcp_load(ph, reader, SafeLoadPlanner(), reads=2)
-        digests = [{f"__{r}_0.distcp": (files[f"__{r}_0.distcp"]["size"], files[f"__{r}_0.distcp"][HASH_NAME])}
-                   for r in range(self.world)]
-        everyone = iter(received(ph, "gather_digests", [pickle.dumps(d) for d in digests]))
-        real_gather = tdist.all_gather_object
-        tdist.all_gather_object = lambda out, obj, group=None: out.__setitem__(slice(None), list(everyone))
-        try:
-            with ph("file_problems"):
-                rest = {n: i for n, i in files.items() if n != METADATA_FILENAME}
-                assert not file_problems(path, {"files": rest}, digests[0], group=None, verify_rest=lambda d, m: [])
-        finally:
-            tdist.all_gather_object = real_gather
+        self.dcp_load(ph, safe_reader(path), SafeLoadPlanner(), reads=2)
         return ph.record()
 
     def _materialise(self, manifest: dict[str, Any]) -> None:

@@ -21,8 +21,8 @@ saves (min-max beside it); the first save of each kind is a warm-up and not coun
   state, and against one stream writing the same bytes with fsync (the fastest of plain writes,
   writes that start their write-back every 64 MiB, and O_DIRECT writes from reused buffers: the
   ways fsdpkit's writer writes);
-- resume: a fresh Checkpointer's `resume()` of the newest sync checkpoint (resolution, load with the
-  file checksums taken from the load's own read, restored-tensor checksums) against `dcp.load` +
+- resume: a fresh Checkpointer's `resume()` of the newest sync checkpoint (resolution, a pass that
+  checks every file's checksum, the load, restored-tensor checksums) against `dcp.load` +
   `set_state_dict` of the same checkpoint (both from the page cache).
 
 Usage (a GPU machine): torchrun --nproc-per-node 1 bench/gpu_checkpoint.py [--size-gib 2] [--runs 5]
@@ -347,8 +347,8 @@ def main() -> None:
             shutil.rmtree(scratch / f"dcp-fast-{i}", ignore_errors=True)
 
     def resume(root: Path) -> None:
-        """fsdpkit's whole checkpoint part of a resume: resolution, load with every file's checksum
-        taken from the load's own read, the restored tensors' checksums against the manifest."""
+        """fsdpkit's whole checkpoint part of a resume: resolution, a pass that checks every file's
+        checksum, the load, the restored tensors' checksums against the manifest."""
         ckpt = Checkpointer(root, model=model, optimizer=optimizer)
         if ckpt.resume() != args.runs + 1:
             raise RuntimeError("the resume did not load the newest checkpoint")

@@ -15,8 +15,6 @@ Tests change values with `with tunables.override(read_restart_bytes=4096): ...` 
 has a `tune` fixture that keeps an override until the test ends).
 
 Variable                         Default  Accepts         Meaning
-FSDPKIT_DIRECT_READ_BYTES        1 MiB    bytes >= 0      a load reads a stored tensor of at least this size straight
-                                                          into its host target
 FSDPKIT_READ_RESTART_BYTES       16 MiB   bytes >= 0      a file read start to end gets a new descriptor (a fresh kernel
                                                           readahead) this often; 0: never
 FSDPKIT_HASH_CHUNK_ELEMS         4194304  elements >= 1   elements per piece of the `linear` tensor checksum (bounds its
@@ -101,9 +99,7 @@ class Tunables:
     """One value per tunable, each read from FSDPKIT_ + its name in capitals (`remote_part_bytes`:
     FSDPKIT_REMOTE_PART_BYTES)."""
 
-    # -- checkpoint files on local disks (fsdpkit.checkpoint.io.verified_read, hashing, page_cache)
-    direct_read_bytes: int = _tunable(1 << 20, unit="bytes", minimum=0, meaning=(
-        "a load reads a stored tensor of at least this size straight into its host target"))
+    # -- checkpoint files on local disks (fsdpkit.checkpoint.hashing, staging, io.page_cache)
     read_restart_bytes: int = _tunable(16 << 20, unit="bytes", minimum=0, meaning=(
         "a file read start to end gets a new descriptor (a fresh kernel readahead) this often; 0: never"))
     hash_chunk_elems: int = _tunable(1 << 22, unit="elements", minimum=1, meaning=(

@@ -11,14 +11,11 @@ Across meshes (sharding strategies): HSDP 2x2 saved on 4 ranks resumes under NO_
 whose own checkpoint resumes under FULL_SHARD on 3 (ws3), as does the HSDP one; FULL_SHARD on 4
 resumes under HSDP 2x2 (ws4).
 Every elastic load compares the restored full state with what was saved, bit for bit, and the
-losses that follow with the uninterrupted run. The tests run it with FSDPKIT_DIRECT_READ_BYTES=0,
-so that the loads read tensors straight into the parameters and optimizer state as large ones are;
-each phase reports how many items each rank read so.
+losses that follow with the uninterrupted run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -30,7 +27,6 @@ import torch.distributed as tdist
 
 from fsdpkit import dist
 from fsdpkit.checkpoint.errors import CheckpointMismatchError
-from fsdpkit.checkpoint.io.verified_read import VerifyingFileSystemReader
 from fsdpkit.checkpoint.manager import CheckpointGroups, find_checkpoint
 from fsdpkit.config import compose_config
 from fsdpkit.train.determinism import enable_determinism
@@ -149,50 +145,6 @@ def elastic_load(work: Path, source: str, tag: str, overrides: tuple[str, ...] |
                    dump_final_to=work / "dumps" / f"saved_{tag}.pt" if stop_at else None)
 
 
-class DirectReads:
-    """Counts the items this rank read straight into their targets (run with
-    FSDPKIT_DIRECT_READ_BYTES=0, the tests' tensors being small) and those it meant to but read
-    through the buffer instead."""
-
-    def __init__(self) -> None:
-        self.counts = {"direct": 0, "buffered": 0}
-        real = VerifyingFileSystemReader._read_into_target
-
-        def spy(*args, **kwargs):
-            got = real(*args, **kwargs)
-            self.counts["direct" if isinstance(got, torch.Tensor) else "buffered"] += 1
-            return got
-
-        VerifyingFileSystemReader._read_into_target = staticmethod(spy)
-
-    def gathered(self) -> list[dict[str, int]]:
-        everyone: list = [None] * tdist.get_world_size()
-        tdist.all_gather_object(everyone, self.counts)
-        return everyone
-
-
-@contextlib.contextmanager
-def files_read_whole():
-    """The data files each rank streamed whole while loading (VerifyingFileSystemReader), gathered
-    over ranks when the block ends: [[files of rank 0], [files of rank 1], ...]."""
-    mine: list[str] = []
-    real = VerifyingFileSystemReader._load_whole
-
-    def spy(self, name, *args):
-        mine.append(name)
-        return real(self, name, *args)
-
-    VerifyingFileSystemReader._load_whole = spy
-    everyone: list[list[str]] = []
-    try:
-        yield everyone
-    finally:
-        VerifyingFileSystemReader._load_whole = real
-    gathered: list = [None] * tdist.get_world_size()
-    tdist.all_gather_object(gathered, sorted(mine))
-    everyone.extend(gathered)
-
-
 def phase_meshes(phase: str, work: Path) -> dict:
     """The checkpoints that change sharding strategy (and world size) on resume."""
     if phase == "ws4":
@@ -213,7 +165,6 @@ def main() -> None:
     enable_determinism()
     dist.init_process_group(backend="gloo")
     GROUPS = CheckpointGroups.create(compose_config(BASE + ["checkpoint.timeout_s=120"]).checkpoint)
-    direct = DirectReads()
     if phase == "ws2":
         res = phase_ws2(work)
     elif phase == "ws4":
@@ -225,16 +176,12 @@ def main() -> None:
         res["src4"] = session(work / "src4", ["checkpoint.every_steps=6"], stop_at=6,
                               dump_final_to=work / "dumps" / "saved_ws4.pt")
     elif phase == "ws3":
-        res = {"4to3": elastic_load(work, "src4", "4to3")}
-        with files_read_whole() as read_whole:
-            res["2to3"] = elastic_load(work, "src2", "2to3")
-        res["2to3_read_whole"] = read_whole
+        res = {"4to3": elastic_load(work, "src4", "4to3"), "2to3": elastic_load(work, "src2", "2to3")}
     elif phase == "ws2b":
         res = {"4to2": elastic_load(work, "src4", "4to2")}
     else:
         raise SystemExit(f"unknown phase {phase}")
     res |= phase_meshes(phase, work)
-    res[f"{phase}_direct_reads"] = direct.gathered()
     if dist.is_main():
         out_path.write_text(json.dumps(res))
     dist.shutdown()

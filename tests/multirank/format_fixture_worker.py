@@ -3,7 +3,7 @@
     format_fixture_worker.py FIXTURE_COPY OUT.json WORK_DIR
 
 Builds the model from the overrides the fixture records (expected.json), resumes from its step_2
-as a user would (checkpoint.resume=<path>: file checksums checked while loading, tensor checksums
+as a user would (checkpoint.resume=<path>: file checksums checked before loading, tensor checksums
 after), writes the restored model and AdamW state, gathered, to WORK_DIR/loaded_state.safetensors
 (rank 0), trains the steps the maker recorded and writes their figures to OUT.json.
 """

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -229,3 +230,37 @@ def test_unknown_options_after_overrides_are_still_refused(capsys):
     with pytest.raises(SystemExit):
         main(["config", "show", "--config-dir", "conf", "experiment=demo", "--bogus"])
     assert "unrecognized arguments: experiment=demo --bogus" in capsys.readouterr().err
+
+
+REMOVED_IO = ("config key 'checkpoint.io' was removed: every load now reads with DCP's own reader, after a pass "
+              "that checks every file's checksum (checkpoint.verify_checksums); ")
+
+
+@pytest.mark.parametrize("override", ["checkpoint.io=fast", "+checkpoint.io=plain", "++checkpoint.io=fast"])
+def test_the_removed_checkpoint_io_setting_is_refused_with_one_sentence_naming_it(override):
+    with pytest.raises(ValueError, match="^" + re.escape(REMOVED_IO + "delete checkpoint.io from your command "
+                                                                      "line and config files") + "$"):
+        compose_config([override])
+
+
+def test_the_removed_checkpoint_io_setting_in_a_yaml_file_is_refused_by_the_command(tmp_path, capsys):
+    from fsdpkit.cli.main import main
+
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "old.yaml").write_text("# @package _global_\ncheckpoint:\n  io: fast\n")
+    assert main(["config", "show", "--config-dir", str(tmp_path), "experiment=old"]) == 2
+    out, err = capsys.readouterr()
+    assert REMOVED_IO + "delete checkpoint.io" in err and "checkpoint:" not in out
+    assert main(["config", "show", "--config-dir", str(tmp_path)]) == 0  # without the file: composes
+
+
+def test_the_removed_checkpoint_io_setting_is_refused_by_the_checkpointer(tmp_path):
+    from torch import nn
+
+    from fsdpkit.checkpoint import Checkpointer
+
+    with pytest.raises(ValueError, match="^" + re.escape(REMOVED_IO + "leave io= out of Checkpointer(...)") + "$"):
+        Checkpointer(tmp_path / "ckpt", model=nn.Linear(2, 2), io="plain")
+    assert not (tmp_path / "ckpt").exists()  # refused before anything was made
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) \['iox'\]"):  # other unknown names: as before
+        Checkpointer(tmp_path / "ckpt", model=nn.Linear(2, 2), iox="plain")

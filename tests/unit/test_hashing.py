@@ -272,3 +272,18 @@ def test_a_failed_write_fails_the_dcp_save_naming_the_file_and_records_no_checks
     with pytest.raises(CheckpointException, match=r"No space left on device\n.*__0_0.distcp"):
         dcp.save({"w": torch.randn(1024, 512)}, storage_writer=writer, no_dist=True)
     assert "__0_0.distcp" not in fs.files
+
+
+def test_file_checksum_over_several_read_chunks(tmp_path):
+    """file_checksum (every verification pass before a load, `fsdpkit ckpt verify`) reads a file in
+    READ_CHUNK_BYTES pieces into one buffer: the digest is that of the whole file, and of an empty one."""
+    import xxhash
+
+    from fsdpkit.checkpoint.hashing import READ_CHUNK_BYTES, file_checksum
+
+    data = os.urandom(READ_CHUNK_BYTES * 2 + 12345)
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    assert file_checksum(path) == (len(data), xxhash.xxh3_64_hexdigest(data))
+    (tmp_path / "empty").write_bytes(b"")
+    assert file_checksum(tmp_path / "empty") == (0, xxhash.xxh3_64_hexdigest(b""))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -24,6 +25,7 @@ from fsdpkit.checkpoint.manifest import SEAL, manifest_digest, read_manifest
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim
 from fsdpkit.checkpoint.resume import committed_candidates, load_checkpoint, resolve_checkpoint
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
+from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.cli.main import main
@@ -261,33 +263,83 @@ def test_copy_is_independent(root, tmp_path):
     assert resolve_checkpoint("auto", ckpt_root=tmp_path / "copy", group=None) == tmp_path / "copy" / "step_2"
 
 
-def test_files_are_verified_from_the_load_read_and_corruption_is_caught(tmp_path, monkeypatch):
+def _spy_load(monkeypatch) -> list[str]:
+    """In order: `verify <files>` for each checksum pass, `.metadata` for each parse of it, `data`
+    for each read of tensor data by the load."""
+    from fsdpkit.checkpoint import safe_io
+
+    events: list[str] = []
+    full, unpickle, read_data = resume.verify_files, safe_io.unpickle_dcp_metadata, SafeFileSystemReader.read_data
+    monkeypatch.setattr(resume, "verify_files", lambda path, manifest, **kw: (
+        events.append("verify " + " ".join(sorted(manifest["files"]))), full(path, manifest, **kw))[1])
+    monkeypatch.setattr(safe_io, "unpickle_dcp_metadata",
+                        lambda *a, **kw: events.append(".metadata") or unpickle(*a, **kw))
+    monkeypatch.setattr(SafeFileSystemReader, "read_data",
+                        lambda *a, **kw: events.append("data") or read_data(*a, **kw))
+    return events
+
+
+@pytest.fixture
+def step_1(tmp_path) -> tuple[CheckpointTarget, Path]:
     saved = _target(0)
-    saved.stateful["train"].step = 1
-    ckpt = tmp_path / "step_1"
-    _save(saved, ckpt, 1)
-    reread: list[str] = []
-    full = resume.verify_files
+    _save(saved, tmp_path / "step_1", 1)
+    return saved, tmp_path / "step_1"
 
-    def spy(path: Path, manifest, **kw):
-        reread.extend(manifest["files"])
-        return full(path, manifest, **kw)
 
-    monkeypatch.setattr(resume, "verify_files", spy)
+def _same_weights(a: CheckpointTarget, b: CheckpointTarget) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
+
+
+def test_every_file_is_verified_in_one_pass_before_the_load_reads_any(step_1, monkeypatch):
+    saved, ckpt = step_1
+    events = _spy_load(monkeypatch)
     loaded = _target(1)
     load_checkpoint(loaded, ckpt, fingerprint={"tensors": {}}, group=None, verify_files=True)
-    for a, b in zip(saved.model.parameters(), loaded.model.parameters(), strict=True):
-        assert torch.equal(a, b)
-    data = [p.name for p in ckpt.glob("*.distcp")]
-    assert data and not set(data) & set(reread), f"data files re-read for verification: {reread}"
-    assert reread == [".metadata"]  # read by DCP's metadata path only: hashed apart (small)
+    assert _same_weights(saved, loaded)
+    files = sorted(read_manifest(ckpt)["files"])
+    assert ".metadata" in files and any(f.endswith(".distcp") for f in files)
+    assert events[0] == "verify " + " ".join(files) and events[1:] and "data" in events
+    assert not [e for e in events[1:] if e.startswith("verify")]  # one pass, then the load reads
+    events.clear()
+    load_checkpoint(_target(1), ckpt, fingerprint={"tensors": {}}, group=None, verify_files=False)
+    assert events and not [e for e in events if e.startswith("verify")]  # resolution checked them (the caller says)
 
-    blob = ckpt / data[0]
-    raw = bytearray(blob.read_bytes())
+
+def _flip_middle(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
     raw[len(raw) // 2] ^= 0x01  # one bit flipped: the checksum catches it (whether or not torch.load fails)
-    blob.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointCorruptError, match=r"fails its checksum .*the file is corrupt"):
-        load_checkpoint(_target(2), ckpt, fingerprint={"tensors": {}}, group=None, verify_files=True)
+    path.write_bytes(bytes(raw))
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 8)
+
+
+@pytest.mark.parametrize(("damage", "victim", "message"), [
+    (_flip_middle, "data", r"{path} fails its checksum \(xxh3_64 [0-9a-f]{{16}}, expected [0-9a-f]{{16}}\): the file "
+                           r"is corrupt"),
+    (_flip_middle, ".metadata", r"{path} fails its checksum .*: the file is corrupt"),
+    (_truncate, "data", r"{path} has {size} bytes, expected {expected} \(truncated or overwritten\)"),
+    (Path.unlink, "data", r"{path} is missing"),
+], ids=["flipped", "metadata-flipped", "truncated", "missing"])
+def test_a_damaged_file_is_named_before_anything_is_read_or_loaded(step_1, monkeypatch, damage, victim, message):
+    """A corrupt, truncated or missing file (`.metadata` too: before anything unpickles it) fails the
+    load with CheckpointCorruptError naming the file; the target is left as it was."""
+    _, ckpt = step_1
+    files = read_manifest(ckpt)["files"]
+    name = ".metadata" if victim == ".metadata" else sorted(f for f in files if f.endswith(".distcp"))[0]
+    path = ckpt / name
+    damage(path)
+    events = _spy_load(monkeypatch)
+    target = _target(1)
+    before = _target(1)
+    expected = message.format(path=re.escape(str(path)), size=files[name]["size"] - 8, expected=files[name]["size"])
+    with pytest.raises(CheckpointCorruptError, match=rf"^{re.escape(str(ckpt))} failed verification before loading "
+                                                     rf"\(nothing was loaded\):\n  {expected}$"):
+        load_checkpoint(target, ckpt, fingerprint={"tensors": {}}, group=None, verify_files=True)
+    assert events == ["verify " + " ".join(sorted(files))]  # no .metadata parsed, no data read
+    assert _same_weights(target, before)
 
 
 def test_checkpoints_skip_torch_saves_crc32_and_load_with_and_without_file_checks(tmp_path):

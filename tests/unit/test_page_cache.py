@@ -75,3 +75,20 @@ def test_restart_off_reads_through_one_descriptor(tmp_path, monkeypatch, tune):
     with SequentialReader(path) as reader:
         assert _read_all(reader, len(data), 4096) == data
     assert opened == [str(path)]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="no /proc here: one descriptor reads it all")
+def test_file_checksums_read_through_a_descriptor_renewed_every_restart_bytes(tmp_path, monkeypatch, tune):
+    """The checksum pass before every load (hashing.file_checksum) reads each file through
+    SequentialReader: a new descriptor every FSDPKIT_READ_RESTART_BYTES, the same digest."""
+    import xxhash
+
+    from fsdpkit.checkpoint.hashing import file_checksum
+
+    tune(read_restart_bytes=1 << 20)
+    data = os.urandom((5 << 20) + 77)
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(data)
+    opened = _spy_reopens(monkeypatch)
+    assert file_checksum(path) == (len(data), xxhash.xxh3_64_hexdigest(data))
+    assert len([p for p in opened if p.startswith("/proc/self/fd/")]) == len(data) // (1 << 20)

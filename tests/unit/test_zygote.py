@@ -70,7 +70,7 @@ def test_a_killed_launch_reports_the_signal_and_leads_its_own_session(tmp_path):
 @pytest.mark.parametrize("variable", ["FAULTS_SPEC", "PYTHONPATH", "OMP_NUM_THREADS", "TORCH_LOGS"])
 def test_an_environment_read_at_start_up_gets_a_fresh_interpreter(variable):
     base = zygote.get().env
-    assert zygote.forkable({**base, "RANK": "3", "FSDPKIT_DIRECT_READ_BYTES": "0", "AWS_ENDPOINT_URL": "x"}, base)
+    assert zygote.forkable({**base, "RANK": "3", "FSDPKIT_READ_RESTART_BYTES": "0", "AWS_ENDPOINT_URL": "x"}, base)
     assert not zygote.forkable({**base, variable: "changed"}, base)
 
 

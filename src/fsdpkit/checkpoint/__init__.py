@@ -20,9 +20,9 @@ Reading order for a newcomer. The core, first (this directory):
 Then, as needed: ownership.py (one run per directory), retention.py, preemption.py, async_save.py
 and staging.py (background saves), full.py (`state_dict_type: full`).
 Two layers below it, each behind one seam:
-  io/             the I/O seam (io/__init__.py: DCP's own writer with file checksums; `checkpoint.io`
-                  chooses the reader): the `fast` verifying reader (verified_read.py, one hashed
-                  read per file, with torch_save.py and page_cache.py)
+  io/             the I/O seam (io/__init__.py: DCP's own writer with file checksums, DCP's own reader
+                  without its pickle), page_cache.py (files read start to end, for checksums) and
+                  torch_save.py (a tensor's bytes in a torch.save blob, for the export)
   storage/        where checkpoints live (storage/__init__.py: local paths and fsspec URLs as one
                   path type): object storage (safe_fsspec.py, multipart.py), the local mirror
                   (mirror.py), the directory lock (object_lock.py)

@@ -193,7 +193,9 @@ def file_checksum(path: Path) -> tuple[int, str]:
     """(size, xxh3-64 hex digest) of a file: a local one (Path) read with SequentialReader, any
     other (an object-store path) through its own `open`."""
     h, size = xxhash.xxh3_64(), 0
-    # One buffer, read into again and again: a mapping of its own (see verified_read._Buffer).
+    # One buffer, read into again and again: an anonymous mapping of its own. A bytearray comes from a
+    # malloc arena once glibc has raised its mmap threshold (in a process that freed large blocks, such
+    # as torch.load's storages), and reads into it took 2-3x the kernel time (profiled).
     source = SequentialReader(path) if isinstance(path, Path) else path.open("rb")
     with source as f, mmap.mmap(-1, READ_CHUNK_BYTES) as buf:
         view = memoryview(buf)

@@ -49,6 +49,7 @@ from fsdpkit.checkpoint.storage import is_url, open_storage
 from fsdpkit.checkpoint.storage.mirror import Mirror
 from fsdpkit.checkpoint.storage.object_lock import ObjectLock
 from fsdpkit.config import validate_checkpoint
+from fsdpkit.config.compose import refuse_removed
 from fsdpkit.config.schema import CheckpointConfig
 from fsdpkit.dist import on_main
 
@@ -111,16 +112,16 @@ class Found:
 
     path: CkptPath | None
     lock: DirectoryLock | ObjectLock | None
-    verify_while_loading: bool = False  # its file checksums are still to check, from the load's own read
+    verify_while_loading: bool = False  # its file checksums are still to check, by the load (a pass before it reads)
     mirror_of: CkptPath | None = None  # `path` is checkpoint.local_dir's copy of this remote checkpoint
 
 
 def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Found:
     """Collective: lock `cfg.dir` (rank 0) and resolve `cfg.resume` (the newest committed, complete
-    checkpoint; with `verify_checksums` its file checksums are checked while `Checkpointer.resume`
-    loads it, from the same read, see io/verified_read.py; on object storage, which has no verifying
-    reader, resolution streams them first). A loop that wants to know before building its model
-    whether it will resume (to skip random init) calls this, then `Checkpointer.resume(found)`.
+    checkpoint; with `verify_checksums` its file checksums are checked by `Checkpointer.resume`, in a
+    pass before the load reads it (resume.load_checkpoint); on object storage resolution checks them).
+    A loop that wants to know before building its model whether it will resume (to skip random init)
+    calls this, then `Checkpointer.resume(found)`.
     With `local_dir`, the local copy of the resolved checkpoint replaces it when it matches (storage/mirror.py)."""
     held: list[DirectoryLock | ObjectLock] = []
     root = open_storage(cfg.dir, cfg.storage_options)
@@ -191,7 +192,7 @@ class Checkpointer:
         **settings: the `checkpoint.*` settings (every_steps, every_minutes, save_at_end, resume,
             resume_mode, existing, async_save, async_staging, keep_last, keep_every, keep_best, keep_best_metric,
             keep_best_mode, verify_checksums, verify_on_load, timeout_s, exception_timeout_s,
-            thread_count, io, on_exception, preemption_signals, storage_options, local_dir), plus
+            thread_count, on_exception, preemption_signals, storage_options, local_dir), plus
             state_dict_type (sharded|full). They are this instance's alone: `storage_options` open
             its `dir` (and a `resume` URL), `local_dir` is its own mirror.
     Raises:
@@ -204,6 +205,8 @@ class Checkpointer:
                  on_event: Callable[[dict[str, Any]], None] | None = None, groups: CheckpointGroups | None = None,
                  state_dict_type: str = "sharded", **settings: Any):
         known = {f.name for f in fields(CheckpointConfig)} - {"dir"}
+        for name in settings.keys() - known:
+            refuse_removed(f"checkpoint.{name}", fix=f"leave {name}= out of Checkpointer(...)")
         if unknown := sorted(settings.keys() - known):
             raise TypeError(f"Checkpointer got unknown setting(s) {unknown}; known: {sorted(known)}")
         if "preemption_signals" in settings:
@@ -334,9 +337,9 @@ class Checkpointer:
         return self._fingerprint
 
     def _load_verified(self, path: CkptPath, *, while_loading: bool) -> LoadReport:
-        """Load `path`, its file checksums verified from the load's own read if `while_loading`.
-        If that finds an auto-resumed checkpoint corrupt, fall back as resolution with full
-        verification does: set it aside and load the newest older checkpoint that passes."""
+        """Load `path`, its file checksums verified first (a pass before the load reads) if
+        `while_loading`. If that finds an auto-resumed checkpoint corrupt, fall back as resolution
+        with full verification does: set it aside and load the newest older checkpoint that passes."""
         try:
             return self._load(path, verify_files=while_loading)
         except CheckpointCorruptError as e:
@@ -347,15 +350,15 @@ class Checkpointer:
         older = resolve_checkpoint("auto", ckpt_root=self.root, group=self.group, verify_checksums=True)
         if older is None:
             raise CheckpointCorruptError(
-                f"{why}\n{path.name} was moved aside and no older checkpoint passes verification; this process "
-                "already loaded part of it, so it stops here: run again to start fresh")
+                f"{why}\n{path.name} was moved aside and no older checkpoint passes verification; nothing was "
+                "loaded, but this run was set up to resume it (a loop may have skipped its model's "
+                "initialization), so it stops here: run again to start fresh")
         return self._load(older, verify_files=False)
 
     def _load(self, path: CkptPath, *, verify_files: bool = False) -> LoadReport:
         model_only = self.cfg.resume_mode == "model_only"
         report = load_checkpoint(self.target, path, fingerprint=self.fingerprint(), group=self.group,
-                                 model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files,
-                                 io=self.cfg.io)
+                                 model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files)
         manifest = report.manifest
         what = "model weights only (optimizer, schedule, counters and data start fresh)" if model_only else "full state"
         checked = ("restored state not verified (checkpoint.verify_on_load=false)" if report.verify_s is None

@@ -11,7 +11,6 @@ from typing import Any
 
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdpkit.checkpoint.errors import (
     CheckpointCorruptError,
@@ -20,11 +19,10 @@ from fsdpkit.checkpoint.errors import (
 )
 from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
-from fsdpkit.checkpoint.io import FAST, load_reader, verifies_while_reading
-from fsdpkit.checkpoint.io.verified_read import file_problems
+from fsdpkit.checkpoint.io import safe_reader
 from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
-from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
+from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
 from fsdpkit.checkpoint.storage import open_storage
@@ -65,7 +63,7 @@ def set_aside(path: Path, why: str) -> None:
     except OSError as e:
         log.warning("could not move %s aside (%s); it stays, and stays skipped", path, e)
         return
-    # Every line of `why`: a failure found while loading puts the damaged files on the lines after the first.
+    # Every line of `why`: a failure found at load time puts the damaged files on the lines after the first.
     reason = " ".join(line.strip() for line in why.splitlines() if line.strip())
     log.warning("moved %s to %s: it failed verification (%s); inspect or delete it yourself", path.name, new.name,
                 reason[:1000])
@@ -172,36 +170,35 @@ def load_checkpoint(
     model_only: bool = False,
     verify: bool = True,
     verify_files: bool = False,
-    io: str = FAST,
 ) -> LoadReport:
     """Load `ckpt_dir` into `target` (resharding to the current world size as needed).
 
-    Checks the model fingerprint before touching any state. With `verify`, recomputes per-tensor
-    checksums of what was restored and compares them with the manifest. With `verify_files`,
-    checks every file's checksum from the bytes read for loading (see io/verified_read.py): for a
-    checkpoint that `resolve_checkpoint(verify_checksums=False)` found, in one read instead of two.
-    `io` (checkpoint.io, io/__init__.py): `fast` reads that way; `plain` (and a URL) checks every file in a
-    pass before the load, then reads with DCP's reader (safe_io.py).
+    Checks the model fingerprint before touching any state. With `verify_files` (a checkpoint that
+    `resolve_checkpoint(verify_checksums=False)` found), then checks every file's size and checksum
+    against the manifest in a pass of its own, split over ranks (`verify_files`), before anything
+    reads a file to load it (`.metadata` included). With `verify`, recomputes per-tensor checksums
+    of what was restored and compares them with the manifest.
 
     Returns: what was loaded (the manifest), notes about tolerated changes, and timings.
     Raises:
         CheckpointMismatchError: incompatible model, optimizer state saved but no optimizer to take
             it (or the reverse; see check_optimizer), or restored state differs from what was saved.
-        CheckpointCorruptError: with `verify_files`, a file fails its checksum (the target then
-            holds partly loaded state: do not train on).
+        CheckpointCorruptError: with `verify_files`, a file is missing, truncated or fails its
+            checksum (nothing was loaded).
     """
     t0 = time.perf_counter()
     manifest = read_manifest(ckpt_dir)
     notes = check_fingerprint(manifest["fingerprint"], fingerprint, ckpt_dir=ckpt_dir)
     if not model_only:
         check_optimizer(manifest, target, ckpt_dir=ckpt_dir)
+    if verify_files:  # both layouts, before any file is read for loading
+        _check_files(ckpt_dir, manifest, group=group)
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     tensors: dict[str, Any] = {}
     if manifest.get("state_dict_type", "sharded") == "full":
         rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
     else:
-        rng, tensors = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only,
-                                     files=manifest["files"], check_files=verify_files, io=io)
+        rng, tensors = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only)
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); "
                      "it keeps its fresh seed")
@@ -257,21 +254,11 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensor
 
 
 def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None,
-                  model_only: bool, files: dict[str, Any], check_files: bool,
-                  io: str = FAST) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """DCP load (resharding as needed) into the live model/optimizer; returns this rank's RNG
-    state and the Stateful pieces' tensors (by `state.<name>.<path>`). `files` is the manifest's
-    list; with `check_files`, every file's checksum is verified (CheckpointCorruptError): from the
-    bytes read where the reader can (io.verifies_while_reading), else in a pass before the load."""
+                  model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """DCP load (resharding as needed) into the live model/optimizer through the safe reader;
+    returns this rank's RNG state and the Stateful pieces' tensors (by `state.<name>.<path>`)."""
     state = target.tensor_state(rank=rank, model_only=model_only)
-    if check_files and not verifies_while_reading(ckpt_dir, io=io):
-        # io=plain, or object storage: stream every file's checksum first (two reads)
-        _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
-        check_files = False
-    reader = load_reader(ckpt_dir, io=io, files=files, hash_files=check_files, group=group)
-    if check_files and METADATA_FILENAME in files:  # small; checked before anything reads it
-        _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": {METADATA_FILENAME: files[METADATA_FILENAME]}},
-                                                 group=group))
+    reader = safe_reader(ckpt_dir)
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
     if "rng" in state:  # a rank the saving run did not have, or a generator it lacked (CUDA saved on a CPU host)
         saved = reader.read_metadata().state_dict_metadata
@@ -280,25 +267,19 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
             state["rng"][f"rank{rank}"] = rng
         else:
             del state["rng"]
-    try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
-    except (Exception, CheckpointException):  # the latter is a BaseException; a corrupt file may break the load
-        if check_files:
-            _raise_if_corrupt(ckpt_dir, verify_files(ckpt_dir, {"files": files}, group=group))
-        raise
-    if check_files:  # a verifying reader (otherwise the files were verified before the load)
-        rest = {n: i for n, i in files.items() if n != METADATA_FILENAME}  # checked before it was unpickled
-        _raise_if_corrupt(ckpt_dir, file_problems(ckpt_dir, {"files": rest}, reader.digests, group=group,
-                                                  verify_rest=lambda d, m: verify_files(d, m, group=group)))
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
     target.restore_tensors(state)
     tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
     return (state["rng"][f"rank{rank}"] if "rng" in state else None), tensors
 
 
-def _raise_if_corrupt(ckpt_dir: Path, problems: list[str]) -> None:
+def _check_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None) -> None:
+    """Collective: raise CheckpointCorruptError naming every file of `manifest` that is missing,
+    has another size or fails its checksum (`verify_files`)."""
+    problems = verify_files(ckpt_dir, manifest, group=group)
     if problems:
-        raise CheckpointCorruptError(f"{ckpt_dir} failed verification while loading (the loaded state is not "
-                                     "usable):\n  " + "\n  ".join(problems))
+        raise CheckpointCorruptError(f"{ckpt_dir} failed verification before loading (nothing was loaded):\n  "
+                                     + "\n  ".join(problems))
 
 
 def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None,

@@ -26,6 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from fsdpkit.config.paths import check_url, is_url, refuse_url
 from fsdpkit.config.schema import (
     MIXED_PRECISION_PRESETS,
+    REMOVED_KEYS,
     SHARDING_STRATEGIES,
     STATE_DICT_TYPES,
     CheckpointConfig,
@@ -77,6 +78,7 @@ def compose_raw(overrides: Sequence[str] = (), *, config_dirs: Sequence[str] = (
     except (HydraException, OmegaConfBaseException) as e:
         unknown = re.match(r"Could not override '([^']+)'", str(e))
         if unknown:
+            refuse_removed(unknown.group(1))
             raise ValueError(f"unknown config key '{unknown.group(1)}'; see `fsdpkit config docs` for every "
                              "key") from None
         raise ValueError(f"invalid configuration override: {e}") from None
@@ -93,6 +95,9 @@ def to_typed(raw: DictConfig) -> Config:
             alias = checkpoint.pop(ASYNC_ALIAS)
             if alias is not None:
                 checkpoint.async_save = alias
+    for key in REMOVED_KEYS:  # set by a YAML file, or added with +key=value
+        if OmegaConf.select(raw, key, default=_ABSENT) is not _ABSENT:
+            refuse_removed(key)
     _lists_from_single_values(raw, schema)
     try:
         merged = OmegaConf.merge(schema, raw)
@@ -132,6 +137,17 @@ def _lists_from_single_values(raw: DictConfig, schema: DictConfig) -> None:
             OmegaConf.update(raw, key, [value], merge=False)
         else:
             raise ValueError(f"config key '{key}' takes a list, got {value!r}; write a list: {key}=[a,b]")
+
+
+_ABSENT = object()
+
+
+def refuse_removed(key: str, *, fix: str | None = None) -> None:
+    """Raise ValueError when `key` (dotted) is a setting that was removed (schema.REMOVED_KEYS);
+    `fix` says how to stop setting it (default: delete it from the command line and config files)."""
+    if key in REMOVED_KEYS:
+        fix = fix or f"delete {key} from your command line and config files"
+        raise ValueError(f"config key '{key}' was removed: {REMOVED_KEYS[key]}; {fix}")
 
 
 def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
@@ -333,7 +349,6 @@ def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded
         _positive(f"checkpoint.{key}", getattr(ck, key), allow_zero=True)
     _one_of("checkpoint.keep_best_mode", ck.keep_best_mode, ("min", "max"))
     _one_of("checkpoint.async_staging", ck.async_staging, ("blocking", "background"))
-    _one_of("checkpoint.io", ck.io, ("plain", "fast"))
     if ck.async_staging == "background" and not ck.async_save:
         raise ValueError("checkpoint.async_staging=background stages an async save in the background, and "
                          "checkpoint.async_save is off; set checkpoint.async_save=true, or leave "

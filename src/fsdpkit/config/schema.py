@@ -14,6 +14,12 @@ from typing import Any
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 STATE_DICT_TYPES = ("sharded", "full")
 MIXED_PRECISION_PRESETS = ("fp32", "bf16-mixed", "bf16-true")
+REMOVED_KEYS = {
+    "checkpoint.io": "every load now reads with DCP's own reader, after a pass that checks every file's checksum "
+                     "(checkpoint.verify_checksums)",
+}
+"""Keys that were settings once, with what replaced them: a config that still sets one is refused
+with a sentence naming the key and saying so (compose.py; the Checkpointer's keyword settings too)."""
 
 
 @dataclass
@@ -313,10 +319,9 @@ class CheckpointConfig:
     (stop before the first step and say so) or `archive` (move them to `dir`/archive/<time>/).
     Nothing is ever deleted; two runs never share a directory."""
     verify_checksums: bool = True
-    """Verify every file's checksum on resume, from the bytes read for loading (one read; in a
-    resharded load, one rank per host streams each file its ranks need parts of and hashes it; files
-    no rank read whole are hashed apart, spread over ranks) and refuse corrupt files: with
-    resume=auto a corrupt newest checkpoint is moved aside and the next older one loaded."""
+    """Verify every file's size and checksum on resume, in a pass of its own before the load reads
+    the files (spread over ranks), and refuse corrupt files: with resume=auto a corrupt newest
+    checkpoint is moved aside and the next older one loaded."""
     verify_on_load: bool = True
     """After loading, compare per-tensor checksums and optimizer step counts with the manifest."""
     timeout_s: float = 600.0
@@ -324,11 +329,6 @@ class CheckpointConfig:
     all ranks after this long instead of hanging them."""
     thread_count: int = 1
     """Writer threads per rank (DCP FileSystemWriter)."""
-    io: str = "fast"
-    """How a local sharded checkpoint is read when loaded (every save writes through DCP's own
-    file-system writer, with xxh3 file checksums computed while writing): `fast` (one read per file
-    that checks its checksum while loading) or `plain` (DCP's own file-system reader, after a pass
-    of its own that checks every file's checksum). Object storage is always read the plain way."""
     async_save: bool = False
     """Save in the background (`checkpoint.async` is accepted as an alias): the step blocks only
     while the state is copied into a reused host buffer (pinned on CUDA); writing, checksums and the

@@ -8,7 +8,8 @@ the kernel first copies into it. There, reading 2 files of 541 MB after evicting
 in 16 MiB reads through one descriptor (1.1-2.0 s of kernel CPU) and 0.50-0.67 s through a
 descriptor opened anew every 16 MiB (0.2 s), which starts the readahead afresh (DCP's own reader,
 seeking between the parts of each item, does so by accident). Medians of 4-6, each after 3 idle
-seconds. Used by the verifying reader (verified_read.py) and file_checksum (hashing.py).
+seconds. Used by file_checksum (hashing.py): every file checksum verified, before a load or by
+`fsdpkit ckpt verify`, is read through it.
 """
 
 from __future__ import annotations

@@ -191,40 +191,6 @@ def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
                          storage_offset=record.storage_offset, data_start=data_start, storage_bytes=info.file_size)
 
 
-def predict_tensor(head: memoryview, *, source: str) -> TensorPayload | None:
-    """Where the tensor of a `torch.save` blob lies, from the blob's first bytes only (`head`),
-    or None when `head` does not show it.
-
-    The zip directory sits at the blob's end, so `locate_tensor` needs the whole blob (or a seek
-    to its end). torch.save writes `data.pkl` first and each record's local header just before
-    its bytes, so the first few KiB name the tensor and where its storage record starts: enough
-    to read the storage straight into its destination in a front-to-back read. A prediction only:
-    check it against `locate_tensor` over the same bytes once the directory has been read."""
-    if len(head) < _ZIP_LOCAL_HEADER.size or head[:4] != b"PK\x03\x04":
-        return None
-    *_, name_len, extra_len = _ZIP_LOCAL_HEADER.unpack_from(head)
-    name = bytes(head[_ZIP_LOCAL_HEADER.size : _ZIP_LOCAL_HEADER.size + name_len])
-    if not name.endswith(b"data.pkl"):
-        return None
-    try:
-        record = _read_record(source, bytes(head[_ZIP_LOCAL_HEADER.size + name_len + extra_len :]))
-    except CheckpointCorruptError:  # cut off by the end of `head`, or garbled: the whole blob decides
-        return None
-    wanted = name[: -len(b"data.pkl")] + f"data/{record.storage.key}".encode()
-    data = bytes(head)
-    at = data.find(b"PK\x03\x04", _ZIP_LOCAL_HEADER.size)
-    while 0 <= at <= len(data) - _ZIP_LOCAL_HEADER.size:
-        *_, name_len, extra_len = _ZIP_LOCAL_HEADER.unpack_from(data, at)
-        start = at + _ZIP_LOCAL_HEADER.size
-        if data[start : start + name_len] == wanted:
-            itemsize = 1 if record.storage.dtype is None else record.dtype.itemsize
-            return TensorPayload(dtype=record.dtype, shape=record.shape, stride=record.stride,
-                                 storage_offset=record.storage_offset, data_start=start + name_len + extra_len,
-                                 storage_bytes=record.storage.numel * itemsize)
-        at = data.find(b"PK\x03\x04", at + 1)
-    return None
-
-
 def _data_start(blob: IO[bytes], info: zipfile.ZipInfo, source: str) -> int:
     """Offset of the first byte of the stored (uncompressed) record `info` within `blob`."""
     if info.compress_type != zipfile.ZIP_STORED:
@@ -252,25 +218,24 @@ def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return 1 + sum((size - 1) * st for size, st in zip(shape, stride, strict=True))
 
 
-def tensor_in_blob(blob: memoryview, *, source: str) -> torch.Tensor:
-    """The tensor that the `torch.save` blob in `blob` holds, as a view of `blob`'s own bytes:
-    no copy and no pickle run (`locate_tensor` decodes data.pkl with the allow-list). The view
-    is valid as long as `blob` is; copy out of it before the buffer is reused."""
-    payload = locate_tensor(MemoryReader(blob), source=source)
-    count = _extent(payload.shape, payload.stride)
-    if count == 0:  # torch.frombuffer refuses an empty range
-        return torch.empty(payload.shape, dtype=payload.dtype)
-    flat = torch.frombuffer(blob, dtype=payload.dtype, count=count,
-                            offset=payload.data_start + payload.storage_offset * payload.dtype.itemsize)
-    return flat.as_strided(payload.shape, payload.stride)
+class FileWindow(io.RawIOBase):
+    """A read-only, seekable view of bytes [start, start + length) of an open binary file.
 
+    On a file with a descriptor, reads are positional (pread): the file's own position is neither
+    used nor moved, so windows on one file may be read from several threads at once. Other file
+    objects (object storage through fsspec) are read by seeking them: one thread at a time.
 
-class _Window(io.RawIOBase):
-    """A read-only, seekable file of `length` bytes; subclasses say where the bytes come from."""
+    Why not DCP's `_create_file_view`: zipfile seeks relative to the end of the archive, which
+    that view does not support.
+    """
 
-    def __init__(self, length: int) -> None:
+    def __init__(self, raw: IO[bytes], start: int, length: int) -> None:
         super().__init__()
-        self._length, self._pos = length, 0
+        self._raw, self._start, self._length, self._pos = raw, start, length, 0
+        try:
+            self._fd: int | None = raw.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the latter
+            self._fd = None
 
     def readable(self) -> bool:
         return True
@@ -285,67 +250,6 @@ class _Window(io.RawIOBase):
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
         self._pos = max(0, base + offset)
         return self._pos
-
-
-class MemoryReader(_Window):
-    """A seekable read-only file over a memoryview, without copying it (io.BytesIO would)."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__(len(view))
-        self._view = view
-
-    def readinto(self, b) -> int:
-        out = memoryview(b).cast("B")
-        n = max(0, min(len(out), self._length - self._pos))
-        out[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-
-class SplitBlob(_Window):
-    """A blob of `length` bytes of which only the first bytes (`head`) and the last (`tail`) are
-    at hand, the middle having gone elsewhere (a tensor read straight into its destination).
-    Reading the middle raises MissingBytes."""
-
-    class MissingBytes(Exception):
-        pass
-
-    def __init__(self, head: memoryview, tail: memoryview, length: int) -> None:
-        super().__init__(length)
-        self._head, self._tail, self._tail_start = head, tail, length - len(tail)
-
-    def readinto(self, b) -> int:
-        out = memoryview(b).cast("B")
-        n = max(0, min(len(out), self._length - self._pos))
-        start, end = self._pos, self._pos + n
-        if end <= len(self._head):
-            out[:n] = self._head[start:end]
-        elif start >= self._tail_start:
-            out[:n] = self._tail[start - self._tail_start : end - self._tail_start]
-        elif n:
-            raise self.MissingBytes(f"bytes {start}-{end} of the blob were not kept")
-        self._pos = end
-        return n
-
-
-class FileWindow(_Window):
-    """A read-only, seekable view of bytes [start, start + length) of an open binary file.
-
-    On a file with a descriptor, reads are positional (pread): the file's own position is neither
-    used nor moved, so windows on one file may be read from several threads at once. Other file
-    objects (object storage through fsspec) are read by seeking them: one thread at a time.
-
-    Why not DCP's `_create_file_view`: zipfile seeks relative to the end of the archive, which
-    that view does not support.
-    """
-
-    def __init__(self, raw: IO[bytes], start: int, length: int) -> None:
-        super().__init__(length)
-        self._raw, self._start = raw, start
-        try:
-            self._fd: int | None = raw.fileno()
-        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the latter
-            self._fd = None
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer).cast("B")
