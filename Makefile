@@ -20,7 +20,7 @@ demo: $(STAMP)
 # the files that launch ranks first (tests/conftest.py: pytest_collection_modifyitems; xdist's own order
 # would be the files with most tests first). The suite is CPU-bound on 2 cores: three workers took 19:25
 # against two's 18:40 (one run each, 4f62732, before the test ranks of `fsdpkit train --nproc` were forked
-# too; two workers now: 12:51-14:09).
+# too; two workers, launching files first: 13:23 in a fresh clone at f337a56).
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
