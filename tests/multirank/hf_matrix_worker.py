@@ -76,8 +76,7 @@ def one(arch: str, folder: Path, runs: Path) -> dict:
     batch = first_batch(full)
     with torch.no_grad():
         logits = model_logits(model, batch[:, :-1].to(DEVICE)).float().cpu()  # [B, L, V], every rank runs it
-    ref = reference_model(folder)  # built on the CPU, as from_pretrained builds it, then moved
-    ref_on_device = ref.to(DEVICE)
+    ref = reference_model(folder).to(DEVICE)  # built on the CPU, as from_pretrained builds it, then moved
     if dist.is_main():
         records = {name: read_records(runs / arch / name) for name in ("full", "resumed")}
         out["loss"] = [r["loss"] for r in records["full"]]
@@ -87,17 +86,17 @@ def one(arch: str, folder: Path, runs: Path) -> dict:
                                 if '"event": "resume"' in line]
         with torch.no_grad():  # transformers' own loss of step 1's batch: labels shift inside
             on = batch.to(DEVICE)
-            out["reference_loss"] = float(ref_on_device(input_ids=on, labels=on).loss)
+            out["reference_loss"] = float(ref(input_ids=on, labels=on).loss)
         mine = {name: b.cpu() for name, b in model.named_buffers()}
         out["buffers"] = {name: bool(name in mine and mine[name].shape == b.shape and torch.equal(mine[name], b.cpu()))
-                          for name, b in ref_on_device.named_buffers()}
+                          for name, b in ref.named_buffers()}
         out["buffers_extra"] = sorted(set(mine) - {n for n, _ in ref.named_buffers()})
         out["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
         torch.save(logits, runs / arch / "trained_logits.pt")
         torch.save(batch, runs / arch / "batch.pt")
         out["attn"] = ref.config._attn_implementation
         out["mine_attn"] = model.config._attn_implementation
-    del trainer, model, ref, ref_on_device
+    del trainer, model, ref
     tdist.barrier()
     return out
 

@@ -178,4 +178,3 @@ def write_json(path: Path, obj: dict[str, Any]) -> None:
         f.write(json.dumps(obj, indent=2) + "\n")
         f.flush()
         os.fsync(f.fileno())
-
