@@ -232,7 +232,7 @@ def test_a_committed_manifest_carries_the_known_seal(tmp_path):
 def test_the_format_description_lists_these_known_answers():
     """docs/checkpoint-format.md's test vectors are the literals above (the text cannot drift)."""
     doc = (Path(__file__).resolve().parents[2] / "docs" / "checkpoint-format.md").read_text(encoding="utf-8")
-    assert "# fsdpkit checkpoint format, version 2" in doc
+    assert "# fsdpkit checkpoint format, version 3" in doc
     for name in ("fp32", "bf16", "int64", "fp32_0dim", "fp32_1dim"):
         for algorithm in (ROWS, LINEAR):
             assert KNOWN[algorithm][name] in doc, (name, algorithm)

@@ -38,7 +38,7 @@ import torch.distributed as tdist
 
 from fsdpkit import watchdog
 from fsdpkit.checkpoint.layout import CkptPath
-from fsdpkit.checkpoint.save import PlanCache, Snapshot, capture, stage_hashing, write_snapshot
+from fsdpkit.checkpoint.save import FrozenShare, PlanCache, Snapshot, capture, stage_hashing, write_snapshot
 from fsdpkit.checkpoint.staging import (
     allocate,
     copy_into,
@@ -76,10 +76,11 @@ class AsyncSaver:
     """Stages state into a reused host buffer and writes it on one background thread."""
 
     def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1, background_staging: bool = False,
-                 mirror: Mirror | None = None, plans: PlanCache | None = None):
+                 mirror: Mirror | None = None, plans: PlanCache | None = None, frozen: FrozenShare | None = None):
         self.group, self.thread_count, self.background_staging = group, thread_count, background_staging
         self.mirror = mirror  # the owning Checkpointer's checkpoint.local_dir copy, if any
         self.plans = plans  # the owning Checkpointer's save-plan cache, if any
+        self.frozen = frozen  # the owning Checkpointer's shared frozen tensors, if any
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
         threads = copy_threads()  # a blocking host copy on this many threads (see staging.py)
         self._copiers = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdpkit-stage")
@@ -119,6 +120,8 @@ class AsyncSaver:
         t_waited = time.perf_counter()
         rank = tdist.get_rank(self.group) if tdist.is_initialized() else 0
         live = capture(target, step=step, meta=meta, rank=rank)
+        if self.frozen is not None:  # before staging: frozen tensors are neither copied nor written while unchanged
+            self.frozen.take(live, target, run_id=meta["run_id"], group=self.group, thread_count=self.thread_count)
         result = SaveResult(step=step, path=ckpt_dir, mode="async", wait_s=t_waited - t0)
         background = (self.background_staging and target.optimizer is not None
                       and not any(t.device.type != "cpu" for t in tensors(live.state)))
@@ -126,11 +129,12 @@ class AsyncSaver:
         if background:
             self._ensure_buffer(live.state)
             staged = Snapshot(step=step, state=copy_into(live.state, self._buffer, copy_tensors=False),
-                              trainer=live.trainer, meta=meta)
+                              trainer=live.trainer, meta=meta, shared=live.shared)
             self._guard(target.optimizer)
             self._staging = (result, copied)
         else:
-            staged = Snapshot(step=step, state=self._stage(live.state), trainer=live.trainer, meta=meta)
+            staged = Snapshot(step=step, state=self._stage(live.state), trainer=live.trainer, meta=meta,
+                              shared=live.shared)
         result.stall_s = time.perf_counter() - t0
 
         def write() -> dict[str, Any]:

@@ -43,7 +43,8 @@ from fsdpkit.checkpoint.ownership import DirectoryLock, claim, lock_for, new_run
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
 from fsdpkit.checkpoint.resume import LoadReport, load_checkpoint, resolve_checkpoint, set_aside
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
-from fsdpkit.checkpoint.save import PlanCache, save_checkpoint
+from fsdpkit.checkpoint.frozen import adoptable, sweep
+from fsdpkit.checkpoint.save import FrozenShare, PlanCache, save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful
 from fsdpkit.checkpoint.storage import is_url, open_storage
 from fsdpkit.checkpoint.storage.mirror import Mirror
@@ -248,8 +249,12 @@ class Checkpointer:
         self._mirror_of: tuple[CkptPath, CkptPath] | None = None  # (local copy, remote checkpoint) resumed from
         # DCP plans a save afresh only when the state's structure changed since the last (save.PlanCache)
         self._plans = PlanCache()
+        # frozen weights written once (frozen.py); a mirror copies checkpoint directories alone
+        self._frozen = (FrozenShare(self.root) if c.share_frozen and self.mirror is None and state_dict_type == "sharded"
+                        else None)
         self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror,
-                                  background_staging=c.async_staging == "background", plans=self._plans)
+                                  background_staging=c.async_staging == "background", plans=self._plans,
+                                  frozen=self._frozen)
                        if c.async_save else None)
 
     @classmethod
@@ -369,6 +374,8 @@ class Checkpointer:
             log.info("note: %s", note)
         if not model_only:
             self.last_saved_step = self._last_step = manifest["step"]
+            if self._frozen is not None:  # keep referencing the frozen tensors the load just verified
+                self._frozen.current = adoptable(path, manifest, self.root)
         from_mirror = self._mirror_of is not None and self._mirror_of[0] == path  # read from checkpoint.local_dir
         self.resumed = Resumed(step=manifest["step"], path=str(path), load_s=report.load_s, verify_s=report.verify_s,
                                saved_world_size=manifest["world_size"], mode=self.cfg.resume_mode, notes=report.notes,
@@ -452,7 +459,8 @@ class Checkpointer:
         else:
             manifest = save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
                                        thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
-                                       on_commit=self._retain, mirror=self.mirror, plans=self._plans)
+                                       on_commit=self._retain, mirror=self.mirror, plans=self._plans,
+                                       frozen=self._frozen)
             stall = time.perf_counter() - t0
             self._report(SaveResult(step=step, path=path, mode="sync", reason=reason, stall_s=stall, manifest=manifest))
         self.last_saved_step = step
@@ -547,6 +555,9 @@ class Checkpointer:
         """Rank 0, right after a commit (on the save's own thread)."""
         try:
             apply_retention(self.root, self.retention, run_id=self.run_id, just_committed=committed)
+            if self._frozen is not None and self.retention.active and self.run_id is not None:
+                current = self._frozen.current
+                sweep(self.root, run_id=self.run_id, in_use=current.dir if current is not None else None)
         except Exception as e:  # noqa: BLE001 - a failed deletion must not fail the save that just committed
             log.warning("retention: could not delete an old checkpoint: %s", e)
         if self.mirror is None:

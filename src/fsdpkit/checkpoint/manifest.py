@@ -11,8 +11,10 @@ it is sealed by a checksum of its own: `manifest_sha256`, the SHA-256 of its can
 sorted, no whitespace) without that field. `read_manifest` checks the seal, then the shape, before
 any field is used; a manifest that fails either is a corrupt checkpoint.
 
-Format 1 (before seals) is not read at all: the version is a field of the manifest, so honouring an
-unsealed format would let any edited manifest switch its own seal off by claiming it.
+Formats 2 and 3 are read (3 adds the `shared` references of frozen.py; a checkpoint that shares
+nothing is written as 2, which older fsdpkit reads). Format 1 (before seals) is not read at all:
+the version is a field of the manifest, so honouring an unsealed format would let any edited
+manifest switch its own seal off by claiming it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from fsdpkit.checkpoint.storage import write_atomic
 from fsdpkit.model.embeddings import tying_words, vocab_and_tie
 
 FORMAT = "fsdpkit-checkpoint"
-FORMAT_VERSION = 2  # 2: sealed by manifest_sha256, carries run_id; the only version read
+FORMAT_VERSION = 3  # 3: may reference shared frozen tensors (`shared`, frozen.py); written when it does
+FORMAT_VERSION_UNSHARED = 2  # 2: sealed by manifest_sha256, carries run_id; written when nothing is shared
+OLDEST_READ = 2  # 1 had no seal: never read
 SEAL = "manifest_sha256"
 
 
@@ -143,8 +147,8 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: no manifest: the directory was never committed.
-        CheckpointCorruptError: unreadable, not sealed or wrongly sealed, malformed, or of any
-            format version but FORMAT_VERSION (an older one would carry no seal to check).
+        CheckpointCorruptError: unreadable, not sealed or wrongly sealed, malformed, or of a
+            format version other than 2 and 3 (an older one would carry no seal to check).
     """
     path = ckpt_dir / MANIFEST
     if not path.is_file():
@@ -167,11 +171,11 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         raise CheckpointCorruptError(
             f"{path} has format_version {version}; this fsdpkit reads up to {FORMAT_VERSION}: upgrade fsdpkit"
         )
-    if version < FORMAT_VERSION:
+    if version < OLDEST_READ:
         edited = f", yet it carries a {SEAL}: its format_version was edited" if SEAL in manifest else ""
         raise CheckpointCorruptError(
             f"{path} claims format_version {version}, which has no seal{edited}; fsdpkit reads only sealed manifests "
-            f"(format {FORMAT_VERSION}), so the step, data position and schedule it records cannot be trusted"
+            f"(formats {OLDEST_READ} to {FORMAT_VERSION}), so the step, data position and schedule it records cannot be trusted"
         )
     if manifest.get(SEAL) != manifest_digest(manifest):
         raise CheckpointCorruptError(
@@ -182,6 +186,8 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
     problems = manifest_problems(manifest)
     if not problems and not isinstance(manifest.get("run_id"), str):
         problems.append("lacks `run_id`")
+    if not problems and "shared" in manifest and version < 3:
+        problems.append(f"references shared files (`shared`), which format_version {version} cannot")
     counters = manifest.get("trainer", {}).get("train") if not problems else None
     if isinstance(counters, dict) and counters.get("step", manifest["step"]) != manifest["step"]:
         problems.append(f"`step` {manifest['step']} differs from the trainer counters' step {counters.get('step')!r}")
@@ -192,13 +198,18 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
 
 
 def check_files_present(ckpt_dir: Path, manifest: dict[str, Any]) -> list[str]:
-    """Cheap completeness check (existence and size of every listed file): problems, if any."""
+    """Cheap completeness check (existence and size of every listed file, the shared files it
+    references included): problems, if any."""
+    from fsdpkit.checkpoint.frozen import file_sets
+
     problems = []
-    for name, info in manifest["files"].items():
-        path = ckpt_dir / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif path.stat().st_size != info["size"]:
-            problems.append(f"{name} has {path.stat().st_size} bytes, the manifest says {info['size']} (truncated or "
-                            "overwritten)")
+    for directory, files in file_sets(ckpt_dir, manifest):
+        where = "" if directory == ckpt_dir else f"{directory}/"  # a shared file: named with its directory
+        for name, info in files.items():
+            path = directory / name
+            if not path.is_file():
+                problems.append(f"{where}{name} is missing")
+            elif path.stat().st_size != info["size"]:
+                problems.append(f"{where}{name} has {path.stat().st_size} bytes, the manifest says {info['size']} "
+                                "(truncated or overwritten)")
     return problems

@@ -93,6 +93,24 @@ def hex_digest(v: Any) -> str | None:
     return None if ok else f"must be 16 lowercase hex digits, got {v!r:.40}"
 
 
+def shared_dir(v: Any) -> str | None:
+    from fsdpkit.checkpoint.frozen import SHARED_DIR
+
+    return None if isinstance(v, str) and SHARED_DIR.match(v) else f"must be shared/<name>, got {v!r:.60}"
+
+
+def file_name(v: Any) -> str | None:
+    ok = isinstance(v, str) and v not in ("", ".", "..") and "/" not in v and "\\" not in v
+    return None if ok else f"must be a file name, got {v!r:.60}"
+
+
+FILES = map_of(record({"size": integer(0), "xxh3_64": hex_digest}))
+
+
+def files(v: Any) -> str | None:
+    return FILES(v) or next((f"has the entry {p}" for p in map(file_name, v) if p), None)
+
+
 TENSOR_INFO = record({"shape": list_of(integer()), "dtype": string})
 REQUIRED: dict[str, Check] = {
     "format": string,
@@ -105,7 +123,7 @@ REQUIRED: dict[str, Check] = {
                           optional={"vocab_size": integer(1), "tied_embeddings": boolean}),
     "trainer": map_of(mapping),
     "tensors": map_of(record({"shape": list_of(integer()), "dtype": string, "hash": hex_digest})),
-    "files": map_of(record({"size": integer(0), "xxh3_64": hex_digest})),
+    "files": files,
 }
 OPTIONAL: dict[str, Check] = {
     "run_id": string,
@@ -118,6 +136,8 @@ OPTIONAL: dict[str, Check] = {
     "mesh": mapping,
     "bytes_per_rank": list_of(integer()),
     "optimizer_param_groups": list_of(mapping),
+    # format 3: directories of frozen tensors this checkpoint references (frozen.py)
+    "shared": list_of(record({"dir": shared_dir, "keys": list_of(string), "files": files})),
 }
 
 
@@ -131,4 +151,7 @@ def manifest_problems(manifest: Any) -> list[str]:
             problems.append(f"`{name}` {problem}")
     if not problems and manifest["state_dict_type"] == "full" and "optimizer_param_groups" not in manifest:
         problems.append("lacks `optimizer_param_groups` (needed by a full checkpoint)")
+    for ref in manifest.get("shared", []) if not problems else []:
+        if unknown := [k for k in ref["keys"] if k not in manifest["tensors"]]:
+            problems.append(f"`shared` entry {ref['dir']} holds keys with no checksum in `tensors`: {unknown[:3]}")
     return problems

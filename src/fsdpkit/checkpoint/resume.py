@@ -17,6 +17,7 @@ from fsdpkit.checkpoint.errors import (
     CheckpointError,
     CheckpointMismatchError,
 )
+from fsdpkit.checkpoint.frozen import file_sets, merge_state, split_state
 from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
 from fsdpkit.checkpoint.io import safe_reader
@@ -71,17 +72,18 @@ def set_aside(path: Path, why: str) -> None:
 
 def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None = None,
                  threads: int = 4) -> list[str]:
-    """Recompute every file checksum, split over ranks (and threads); every rank gets all problems."""
+    """Recompute every file checksum (the shared files the checkpoint references too), split over
+    ranks (and threads); every rank gets all problems."""
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     ws = tdist.get_world_size(group) if tdist.is_initialized() else 1
-    names = sorted(manifest["files"])[rank::ws]
+    listed = [(directory / name, info) for directory, files in file_sets(ckpt_dir, manifest)
+              for name, info in sorted(files.items())]
 
-    def check(name: str) -> str | None:
-        path = ckpt_dir / name
+    def check(item: tuple[Path, dict[str, Any]]) -> str | None:
+        path, info = item
         if not path.is_file():
             return f"{path} is missing"
         size, digest = file_checksum(path)
-        info = manifest["files"][name]
         if size != info["size"]:
             return f"{path} has {size} bytes, expected {info['size']} (truncated or overwritten)"
         if digest != info[HASH_NAME]:
@@ -89,7 +91,7 @@ def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.Proce
         return None
 
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        mine = [p for p in pool.map(check, names) if p]
+        mine = [p for p in pool.map(check, listed[rank::ws]) if p]
     if not tdist.is_initialized():
         return mine
     everyone: list[list[str]] = [[] for _ in range(ws)]
@@ -198,7 +200,7 @@ def load_checkpoint(
     if manifest.get("state_dict_type", "sharded") == "full":
         rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
     else:
-        rng, tensors = _load_sharded(target, ckpt_dir, rank=rank, group=group, model_only=model_only)
+        rng, tensors = _load_sharded(target, ckpt_dir, manifest, rank=rank, group=group, model_only=model_only)
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); "
                      "it keeps its fresh seed")
@@ -253,10 +255,10 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensor
                 "resume with checkpoint.resume_mode=model_only, or start fresh") from None
 
 
-def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None,
-                  model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """DCP load (resharding as needed) into the live model/optimizer through the safe reader;
-    returns this rank's RNG state and the Stateful pieces' tensors (by `state.<name>.<path>`)."""
+def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, Any], *, rank: int,
+                  group: tdist.ProcessGroup | None, model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """DCP load (resharding as needed) into the live model/optimizer through the safe reader (one
+    load per directory: the checkpoint's, and each shared one it references); returns this rank's RNG state and the Stateful pieces' tensors (by `state.<name>.<path>`)."""
     state = target.tensor_state(rank=rank, model_only=model_only)
     reader = safe_reader(ckpt_dir)
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
@@ -267,7 +269,11 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group:
             state["rng"][f"rank{rank}"] = rng
         else:
             del state["rng"]
+    parts = split_state(state, manifest, ckpt_dir)  # frozen tensors shared with other checkpoints (frozen.py)
+    for directory, part in parts:
+        dcp.load(part, storage_reader=safe_reader(directory), planner=SafeLoadPlanner(), process_group=group)
     dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
+    merge_state(state, parts)
     target.restore_tensors(state)
     tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
     return (state["rng"][f"rank{rank}"] if "rng" in state else None), tensors

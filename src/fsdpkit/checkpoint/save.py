@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from fsdpkit.checkpoint import staging
 from fsdpkit.checkpoint.errors import CheckpointSaveError
+from fsdpkit.checkpoint.frozen import SHARED, SharedDir, agree, frozen_keys, new_dir_name, stale_problem
 from fsdpkit.checkpoint.full import write_full
 from fsdpkit.checkpoint.hashing import (
     hash_algorithm_for,
@@ -38,7 +39,7 @@ from fsdpkit.checkpoint.hashing import (
 )
 from fsdpkit.checkpoint.io import hashing_writer
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, publish_latest, swap_in
-from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, dtype_name, versions, write_manifest
+from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, FORMAT_VERSION_UNSHARED, dtype_name, versions, write_manifest
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
 from fsdpkit.checkpoint.storage import remove_tree
 from fsdpkit.checkpoint.storage.mirror import Mirror
@@ -191,6 +192,70 @@ class Snapshot:
     trainer: dict[str, Any]
     meta: dict[str, Any]
     shares: Shares | None = None  # tensor checksum shares computed while staging (stage_hashing)
+    shared: SharedDir | None = None  # the frozen tensors, taken out of `state`: written there (FrozenShare)
+
+
+class FrozenShare:
+    """The frozen tensors of one Checkpointer's saves (frozen.py): the shared directory its
+    checkpoints reference, written by the first save and again only when a frozen tensor changed."""
+
+    def __init__(self, root: CkptPath) -> None:
+        self.root = root
+        self.current: SharedDir | None = None
+
+    def take(self, snapshot: Snapshot, target: CheckpointTarget, *, run_id: str, group: tdist.ProcessGroup | None,
+             thread_count: int = 1) -> None:
+        """Collective: take the frozen tensors out of `snapshot.state` and make `snapshot.shared`
+        the directory that holds them, writing it when none holds exactly these values (their
+        checksums, computed now, decide)."""
+        keys = [k.removeprefix("model.") for k in frozen_keys(target)]
+        model = snapshot.state.get("model", {})
+        if not keys or any(k not in model for k in keys):
+            return
+        frozen = {"model": {k: model.pop(k) for k in keys}}
+        try:
+            algorithm, table = tensor_table(frozen, group=group)
+            current = self.current
+            if current is not None and current.algorithm == algorithm and current.tensors == table:
+                problem = agree(stale_problem(current, self.root) if _rank(group) == 0 else None, group)
+                if problem is None:
+                    snapshot.shared = current
+                    return
+                log.warning("checkpoint: the shared frozen tensors in %s cannot be referenced any more (%s); writing "
+                            "them again", self.root / current.dir, problem)
+            elif current is not None:
+                changed = sorted(k for k in table if current.tensors.get(k) != table[k])
+                log.warning("checkpoint: %d frozen tensor(s) changed since %s was written (%s%s); writing them again",
+                            len(changed), self.root / current.dir, ", ".join(changed[:5]),
+                            ", ..." if len(changed) > 5 else "")
+            self.current = snapshot.shared = self._write(frozen, table, algorithm, run_id=run_id, step=snapshot.step,
+                                                         group=group, thread_count=thread_count)
+        except BaseException:
+            model.update(frozen["model"])  # the snapshot stays whole for the caller
+            raise
+
+    def _write(self, frozen: dict[str, Any], table: dict[str, Any], algorithm: str, *, run_id: str, step: int,
+               group: tdist.ProcessGroup | None, thread_count: int) -> SharedDir:
+        name = agree(new_dir_name(run_id=run_id, step=step) if _rank(group) == 0 else None, group)
+        into = self.root / name
+        try:
+            writer, fs = hashing_writer(into, thread_count=thread_count)
+            with zip_crc32_off():
+                dcp.save(frozen, storage_writer=writer, process_group=group)
+            files = {n: i for rank_files in _gather(fs.files, group) for n, i in rank_files.items()}
+        except CheckpointException as e:  # a BaseException: see _commit
+            raise CheckpointSaveError(f"writing the frozen tensors to {into} failed on at least one rank; the "
+                                      f"previous checkpoint stays latest: {e}") from e
+        except RuntimeError as e:
+            raise CheckpointSaveError(f"writing the frozen tensors to {into} failed: a rank died or stalled "
+                                      f"({str(e).splitlines()[0]}); the previous checkpoint stays latest") from e
+        log.info("checkpoint: wrote %d frozen tensor(s) to %s; later checkpoints reference them while they are "
+                 "unchanged", len(table), into)
+        return SharedDir(name, files, table, algorithm)
+
+
+def _rank(group: tdist.ProcessGroup | None) -> int:
+    return tdist.get_rank(group) if tdist.is_initialized() else 0
 
 
 def capture(target: CheckpointTarget, *, step: int, meta: dict[str, Any], rank: int) -> Snapshot:
@@ -211,6 +276,7 @@ def save_checkpoint(
     on_commit: Callable[[CkptPath], None] | None = None,
     mirror: Mirror | None = None,
     plans: PlanCache | None = None,
+    frozen: FrozenShare | None = None,
 ) -> dict[str, Any]:
     """Save and commit `target` to `ckpt_dir` on every rank; returns the manifest (rank 0) or
     {"step", "bytes_per_rank"} (other ranks).
@@ -224,12 +290,15 @@ def save_checkpoint(
             before the final agreement.
         mirror: the local copy (checkpoint.local_dir) a remote sharded save's files are teed into.
         plans: the save-plan cache of the caller's saves (a sharded save; None: DCP plans afresh).
+        frozen: the caller's shared frozen tensors (a sharded save; None: every tensor is written).
     Raises:
         CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
     """
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     snapshot = capture(target, step=step, meta=meta, rank=rank)
     if state_dict_type != "full":
+        if frozen is not None:
+            frozen.take(snapshot, target, run_id=meta["run_id"], group=group, thread_count=thread_count)
         return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit,
                               mirror=mirror, plans=plans)
 
@@ -320,6 +389,13 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
         t_prepared = time.perf_counter()
         (files_by_rank, extra), algorithm, tensors, timings = _write_and_hash(snapshot.state, lambda: write(into),
                                                                               group=group, shares=snapshot.shares)
+        shared = snapshot.shared
+        if shared is not None:
+            if shared.algorithm != algorithm:
+                raise RuntimeError(f"fsdpkit: the frozen tensors were hashed with {shared.algorithm}, the rest with "
+                                   f"{algorithm} (a bug: please report it)")
+            tensors = {**tensors, **shared.tensors}
+            extra = {**extra, SHARED: [shared.reference()]}
         timings["prepare_s"] = t_prepared - t0  # rank 0 readies the directory; every rank learns the outcome
         bytes_per_rank = [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank]
         manifest, failure = None, None
@@ -327,7 +403,7 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
             files = {name: info for rank_files in files_by_rank for name, info in rank_files.items()}
             manifest = {
                 "format": FORMAT,
-                "format_version": FORMAT_VERSION,
+                "format_version": FORMAT_VERSION if shared is not None else FORMAT_VERSION_UNSHARED,
                 "step": step,
                 "committed_at": datetime.now(UTC).isoformat(),
                 "world_size": tdist.get_world_size(group) if tdist.is_initialized() else 1,

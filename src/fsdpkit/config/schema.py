@@ -329,6 +329,13 @@ class CheckpointConfig:
     all ranks after this long instead of hanging them."""
     thread_count: int = 1
     """Writer threads per rank (DCP FileSystemWriter)."""
+    share_frozen: bool = True
+    """Write frozen weights once: parameters with requires_grad=False that the optimizer does not
+    hold (a LoRA base, a frozen encoder) go to `dir`/shared/<name>/ at the run's first save, and
+    later checkpoints reference them while their checksums (recomputed at every save) are
+    unchanged. Retention never removes a referenced directory; resume, verify and export follow
+    the references. Not with local_dir, state_dict_type=full or on_exception saves (those write
+    everything). false: every checkpoint holds every tensor."""
     async_save: bool = False
     """Save in the background (`checkpoint.async` is accepted as an alias): the step blocks only
     while the state is copied into a reused host buffer (pinned on CUDA); writing, checksums and the

@@ -227,7 +227,7 @@ def _check_integrity(opened: OpenedCheckpoint, *, verify: bool) -> None:
         if verify and not problems:
             problems = verify_files(opened.path, opened.manifest, threads=tunables.current().verify_threads)
     if not problems and opened.kind in ("fsdpkit", "dcp"):  # DcpSource and DcpLoadSource
-        problems = extent_problems(opened.path, opened.source.metadata)
+        problems = extent_problems(opened.path, opened.source.metadata, getattr(opened.source, "elsewhere", None))
     if problems:
         raise CheckpointCorruptError(f"{opened.path} failed verification; nothing was exported:\n  "
                                      + "\n  ".join(problems)

@@ -10,6 +10,7 @@ fsdpkit `state_dict_type=full` checkpoint, a Hugging Face folder or a single `.s
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
+from fsdpkit.checkpoint.frozen import SHARED, shared_root
 from fsdpkit.checkpoint.io.torch_save import FileWindow, TensorPayload, locate_tensor
 from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest import read_manifest
@@ -171,9 +173,11 @@ class DcpSource:
 
     kind = "dcp"
 
-    def __init__(self, path: Path | RemotePath, *, metadata: Metadata | None = None) -> None:
+    def __init__(self, path: Path | RemotePath, *, metadata: Metadata | None = None,
+                 files: dict[str, Path | RemotePath] | None = None) -> None:
         self.path = open_storage(path)  # a local Path, or a RemotePath: rows come by ranged GETs
         self.metadata = metadata if metadata is not None else read_dcp_metadata(self.path)
+        self.elsewhere = files or {}  # relative paths of files outside `path` (with_shared): where they are
         planner_data = getattr(self.metadata, "planner_data", None)
         self.key_paths = dict(planner_data) if isinstance(planner_data, dict) else None
         self._tensors = {k: TensorInfo(tuple(md.size), md.properties.dtype)
@@ -208,7 +212,7 @@ class DcpSource:
 
     def _open(self, relative: str) -> Any:
         if relative not in self._files:
-            path = self.path / relative
+            path = self.elsewhere.get(relative) or self.path / relative
             try:
                 self._files[relative] = path.open("rb")  # noqa: SIM115 (closed in close())
             except FileNotFoundError:
@@ -268,7 +272,7 @@ class DcpSource:
     def _read_into(self, relative: str, t: torch.Tensor, offset: int, *, what: str) -> None:
         if isinstance(self.path, RemotePath):
             self._file(relative)  # a missing object fails here, named
-            _ranged_get_into(self.path / relative, t, offset, what=what)
+            _ranged_get_into(self.elsewhere.get(relative) or self.path / relative, t, offset, what=what)
         else:
             missing = t.nbytes - _pread_into(self._file(relative).fileno(), t, offset)
             if missing:
@@ -470,13 +474,41 @@ def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct", part: st
         if manifest.get("state_dict_type", "sharded") == "full":
             return OpenedCheckpoint(p, "fsdpkit-full", SafetensorsSource(p, files=[p / FULL_MODEL_FILE]), manifest,
                                     notes=notes)
-        return OpenedCheckpoint(p, "fsdpkit", _dcp_source(p, reader), manifest, notes=notes)
+        return OpenedCheckpoint(p, "fsdpkit", _dcp_source(p, reader, manifest), manifest, notes=notes)
     if (p / METADATA_FILENAME).is_file():
         return OpenedCheckpoint(p, "dcp", _dcp_source(p, reader), notes=notes)
     return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p), notes=notes)
 
 
-def _dcp_source(p: Path | RemotePath, reader: str) -> Any:
+def _dcp_source(p: Path | RemotePath, reader: str, manifest: dict[str, Any] | None = None) -> Any:
     if reader == "dcp" and isinstance(p, RemotePath):
         raise ValueError(f"{p}: the `dcp` reader reads local checkpoints only; use the default `direct` reader")
+    if manifest is not None and manifest.get(SHARED):
+        if reader == "dcp":
+            raise ValueError(f"{p} references frozen tensors in {', '.join(r['dir'] for r in manifest[SHARED])}; the "
+                             "`dcp` reader reads one directory: use the default `direct` reader")
+        return with_shared(p, manifest)
     return DcpSource(p) if reader == "direct" else DcpLoadSource(p)
+
+
+def with_shared(p: Path | RemotePath, manifest: dict[str, Any]) -> DcpSource:
+    """A DcpSource of an fsdpkit checkpoint that references shared frozen tensors
+    (checkpoint/frozen.py): its metadata with each referenced key's entries added, their files
+    named `shared/<name>/<file>` and found in the referenced directory."""
+    metadata = read_dcp_metadata(p)
+    elsewhere: dict[str, Path | RemotePath] = {}
+    for ref in manifest[SHARED]:
+        directory = shared_root(p) / ref["dir"]
+        theirs = read_dcp_metadata(directory)
+        keys = set(ref["keys"])
+        if missing := sorted(keys - theirs.state_dict_metadata.keys()):
+            raise CheckpointCorruptError(f"{directory} does not hold {missing[:3]}, which {p / MANIFEST} says it "
+                                         "holds; the checkpoint is incomplete")
+        for key in keys:
+            metadata.state_dict_metadata[key] = theirs.state_dict_metadata[key]
+        for index, info in theirs.storage_data.items():
+            if index.fqn in keys:
+                relative = f"{ref['dir']}/{info.relative_path}"
+                metadata.storage_data[index] = dataclasses.replace(info, relative_path=relative)
+                elsewhere[relative] = directory / info.relative_path
+    return DcpSource(p, metadata=metadata, files=elsewhere)

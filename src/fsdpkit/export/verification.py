@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from fsdpkit import tunables
 from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.frozen import SHARED, file_sets
 from fsdpkit.checkpoint.hashing import LINEAR, MASK64, hash_part
 from fsdpkit.checkpoint.layout import LATEST, MANIFEST
 from fsdpkit.checkpoint.manifest import read_manifest
@@ -47,7 +48,7 @@ from fsdpkit.export.locate import (
     not_committed_message,
 )
 from fsdpkit.export.safetensors_io import INDEX_FILE, read_header, safetensors_files
-from fsdpkit.export.sources import Chunk, DcpSource, chunk_problems, iter_row_blocks
+from fsdpkit.export.sources import Chunk, DcpSource, chunk_problems, iter_row_blocks, with_shared
 
 
 class _Problems:
@@ -66,8 +67,10 @@ class _Problems:
 def _checksum_problems(ckpt: Path, manifest: dict[str, Any], problems: _Problems, *, threads: int) -> set[str]:
     """Recompute every recorded file checksum; returns the names of files that failed."""
     failed = set()
+    names = {str(directory / n): n if directory == ckpt else f"{SHARED}/{directory.name}/{n}"
+             for directory, files in file_sets(ckpt, manifest) for n in files}
     for text in verify_files(ckpt, manifest, threads=threads):
-        name = next((n for n in manifest["files"] if text.startswith(f"{ckpt / n} ")), "")
+        name = next((n for path, n in names.items() if text.startswith(f"{path} ")), "")
         problems.add(name, text)
         failed.add(name)
     return failed
@@ -87,28 +90,32 @@ def extent_problem(path: Path, items: list[tuple[str, _StorageInfo]]) -> str | N
             f"at bytes {s.offset}..{s.offset + s.length}")
 
 
-def extent_problems(ckpt: Path, metadata: Metadata) -> list[str]:
+def extent_problems(ckpt: Path, metadata: Metadata, elsewhere: dict[str, Path] | None = None) -> list[str]:
     """Every file of the DCP checkpoint `ckpt` checked against the byte ranges its metadata lists
-    there (tensor chunks and pickled items alike): sizes only, no data read."""
+    there (tensor chunks and pickled items alike): sizes only, no data read. `elsewhere`: files
+    that lie outside `ckpt` (sources.with_shared), by their name in the metadata."""
     by_file: dict[str, list[tuple[str, _StorageInfo]]] = defaultdict(list)
     for index, storage in (metadata.storage_data or {}).items():
         by_file[storage.relative_path].append((index.fqn, storage))
-    return [text for name in sorted(by_file) if (text := extent_problem(ckpt / name, by_file[name]))]
+    where = elsewhere or {}
+    return [text for name in sorted(by_file)
+            if (text := extent_problem(where.get(name) or ckpt / name, by_file[name]))]
 
 
-def _dcp_structure(ckpt: Path, problems: _Problems, *, threads: int, skip: frozenset[str] = frozenset()) -> int:
-    """Structural checks of a DCP directory (files in `skip` already failed: not re-reported);
-    returns the number of chunks checked."""
+def _dcp_structure(ckpt: Path, problems: _Problems, *, threads: int, skip: frozenset[str] = frozenset(),
+                   label: str = "") -> int:
+    """Structural checks of a DCP directory (files in `skip` already failed: not re-reported;
+    problems are filed under `label` + the file's name); returns the number of chunks checked."""
     try:
         metadata = read_dcp_metadata(ckpt)
     except CheckpointError as exc:  # unreadable or crafted: named, nothing run
-        problems.add(METADATA_FILENAME, str(exc))
+        problems.add(label + METADATA_FILENAME, str(exc))
         return 0
     by_file: dict[str, list[tuple[str, Any, Any]]] = defaultdict(list)
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, TensorStorageMetadata):
             for text in chunk_problems(key, item):
-                problems.add(METADATA_FILENAME, text)
+                problems.add(label + METADATA_FILENAME, text)
             entries = [(MetadataIndex(key, c.offsets),
                         tuple(c.sizes)) for c in item.chunks if all(c.sizes) or not c.sizes]
         else:
@@ -116,7 +123,8 @@ def _dcp_structure(ckpt: Path, problems: _Problems, *, threads: int, skip: froze
         for index, sizes in entries:
             storage = metadata.storage_data.get(index)
             if storage is None:
-                problems.add(METADATA_FILENAME, f"{key} at {list(index.offset or [])} is listed but no file holds it")
+                problems.add(label + METADATA_FILENAME,
+                             f"{key} at {list(index.offset or [])} is listed but no file holds it")
                 continue
             by_file[storage.relative_path].append((key, sizes, Chunk(tuple(index.offset or ()), sizes or (), storage)))
 
@@ -139,23 +147,25 @@ def _dcp_structure(ckpt: Path, problems: _Problems, *, threads: int, skip: froze
             source.close()
         return found
 
-    names = sorted(set(by_file) - skip)
+    names = sorted(n for n in by_file if label + n not in skip)
     with ThreadPoolExecutor(max_workers=threads) as pool:
         for name, found in zip(names, pool.map(check_file, names), strict=True):
             for text in found:
-                problems.add(name, text)
+                problems.add(label + name, text)
     return sum(len(v) for v in by_file.values())
 
 
 def _tensor_checksums(ckpt: Path, manifest: dict[str, Any], problems: _Problems, *, threads: int) -> int:
     """Recompute the manifest's per-tensor checksums from the data, tensor by tensor, with the
     algorithm the checkpoint was saved with (row blocks hash independently: see hashing.py)."""
-    metadata = read_dcp_metadata(ckpt)
+    opened = with_shared(ckpt, manifest) if manifest.get(SHARED) else DcpSource(ckpt)
+    metadata, elsewhere = opened.metadata, opened.elsewhere
+    opened.close()
     keys = sorted(manifest.get("tensors", {}))
     algorithm = manifest.get("tensor_hash", LINEAR)  # checkpoints from before it was recorded used `linear`
 
     def check(shard: list[str]) -> list[tuple[str, str]]:
-        source = DcpSource(ckpt, metadata=metadata)
+        source = DcpSource(ckpt, metadata=metadata, files=elsewhere)
         tensors, found = source.tensors(), []
         try:
             for key in shard:
@@ -257,8 +267,11 @@ def _verify_one(ckpt: Path, *, threads: int, tensors: bool) -> dict[str, Any]:
             manifest = None
         if manifest is not None:
             failed = _checksum_problems(ckpt, manifest, problems, threads=threads)
-            checked["files"] = len(manifest["files"])
-            checksums = f"recomputed for {len(manifest['files'])} files"
+            sets = file_sets(ckpt, manifest)
+            checked["files"] = sum(len(files) for _, files in sets)
+            checksums = f"recomputed for {checked['files']} files"
+            if len(sets) > 1:
+                checksums += f" ({checked['files'] - len(manifest['files'])} of them shared: frozen tensors)"
             values_checked = True  # every byte of every file, tensor data included
             if manifest.get("state_dict_type", "sharded") == "full":
                 kind = "fsdpkit-full"
@@ -266,6 +279,11 @@ def _verify_one(ckpt: Path, *, threads: int, tensors: bool) -> dict[str, Any]:
                 _safetensors_structure(ckpt, stored, problems)
             elif METADATA_FILENAME not in failed:
                 checked["chunks"] = _dcp_structure(ckpt, problems, threads=threads, skip=frozenset(failed))
+                for directory, _ in sets[1:]:  # the shared directories it references
+                    label = f"{SHARED}/{directory.name}/"
+                    if label + METADATA_FILENAME not in failed:
+                        checked["chunks"] += _dcp_structure(directory, problems, threads=threads,
+                                                            skip=frozenset(failed), label=label)
                 if tensors and not problems.items:
                     checked["tensor_checksums"] = _tensor_checksums(ckpt, manifest, problems, threads=threads)
                     checksums += f" and {checked['tensor_checksums']} tensors"
