@@ -66,7 +66,8 @@ def test_a_frozen_tensor_changed_on_purpose_is_written_again(run):
 def test_retention_removes_a_shared_directory_only_when_nothing_references_it(run):
     saves = run[1]["saves"]
     # keep_last=2: step_4 went at step 6, and with it the last reference to the first directory
-    assert saves[4]["shared_on_disk"] == sorted(d.removeprefix("shared/") for d in saves[3]["shared"] + saves[4]["shared"])
+    both = saves[3]["shared"] + saves[4]["shared"]
+    assert saves[4]["shared_on_disk"] == sorted(d.removeprefix("shared/") for d in both)
     assert saves[5]["shared_on_disk"] == [saves[5]["shared"][0].removeprefix("shared/")]
     assert saves[5]["shared"] == saves[4]["shared"]
     assert [n for n in saves[5]["on_disk"] if n.startswith("step_")] == ["step_5", "step_6"]
@@ -88,9 +89,10 @@ def test_async_saves_share_the_base_too(run):
 
 
 def test_a_checkpoint_resumes_on_one_process_and_exports_with_its_shared_tensors(run, tmp_path):
+    from frozen_worker import LoraNet
+
     from fsdpkit.checkpoint.manager import Checkpointer
     from fsdpkit.export.exporter import export_checkpoint
-    from frozen_worker import LoraNet
 
     out, _ = run
     root = _copy(run, tmp_path)

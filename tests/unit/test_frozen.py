@@ -30,7 +30,8 @@ def manifest(*, shared: list | None = None, version: int = 3, step: int = 1) -> 
 
 
 def ref(name: str, keys=("model.base.weight",), files=None) -> dict:
-    return {"dir": f"shared/{name}", "keys": list(keys), "files": files or {"__0_0.distcp": {"size": 3, "xxh3_64": HASH}}}
+    files = files or {"__0_0.distcp": {"size": 3, "xxh3_64": HASH}}
+    return {"dir": f"shared/{name}", "keys": list(keys), "files": files}
 
 
 def commit(path: Path, m: dict) -> Path:

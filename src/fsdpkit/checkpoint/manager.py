@@ -37,13 +37,13 @@ from torch import nn
 
 from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
+from fsdpkit.checkpoint.frozen import adoptable, sweep
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, CkptPath, step_dir_name
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary, read_manifest
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim, lock_for, new_run_id
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
 from fsdpkit.checkpoint.resume import LoadReport, load_checkpoint, resolve_checkpoint, set_aside
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
-from fsdpkit.checkpoint.frozen import adoptable, sweep
 from fsdpkit.checkpoint.save import FrozenShare, PlanCache, save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful
 from fsdpkit.checkpoint.storage import is_url, open_storage
@@ -250,8 +250,8 @@ class Checkpointer:
         # DCP plans a save afresh only when the state's structure changed since the last (save.PlanCache)
         self._plans = PlanCache()
         # frozen weights written once (frozen.py); a mirror copies checkpoint directories alone
-        self._frozen = (FrozenShare(self.root) if c.share_frozen and self.mirror is None and state_dict_type == "sharded"
-                        else None)
+        shares = c.share_frozen and self.mirror is None and state_dict_type == "sharded"
+        self._frozen = FrozenShare(self.root) if shares else None
         self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror,
                                   background_staging=c.async_staging == "background", plans=self._plans,
                                   frozen=self._frozen)

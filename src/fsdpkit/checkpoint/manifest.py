@@ -175,7 +175,8 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
         edited = f", yet it carries a {SEAL}: its format_version was edited" if SEAL in manifest else ""
         raise CheckpointCorruptError(
             f"{path} claims format_version {version}, which has no seal{edited}; fsdpkit reads only sealed manifests "
-            f"(formats {OLDEST_READ} to {FORMAT_VERSION}), so the step, data position and schedule it records cannot be trusted"
+            f"(formats {OLDEST_READ} to {FORMAT_VERSION}), so the step, data position and schedule it records cannot "
+            "be trusted"
         )
     if manifest.get(SEAL) != manifest_digest(manifest):
         raise CheckpointCorruptError(

@@ -258,7 +258,8 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensor
 def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, Any], *, rank: int,
                   group: tdist.ProcessGroup | None, model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """DCP load (resharding as needed) into the live model/optimizer through the safe reader (one
-    load per directory: the checkpoint's, and each shared one it references); returns this rank's RNG state and the Stateful pieces' tensors (by `state.<name>.<path>`)."""
+    load per directory: the checkpoint's, and each shared one it references); returns this rank's
+    RNG state and the Stateful pieces' tensors (by `state.<name>.<path>`)."""
     state = target.tensor_state(rank=rank, model_only=model_only)
     reader = safe_reader(ckpt_dir)
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.

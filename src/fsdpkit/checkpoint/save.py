@@ -39,7 +39,14 @@ from fsdpkit.checkpoint.hashing import (
 )
 from fsdpkit.checkpoint.io import hashing_writer
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, publish_latest, swap_in
-from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, FORMAT_VERSION_UNSHARED, dtype_name, versions, write_manifest
+from fsdpkit.checkpoint.manifest import (
+    FORMAT,
+    FORMAT_VERSION,
+    FORMAT_VERSION_UNSHARED,
+    dtype_name,
+    versions,
+    write_manifest,
+)
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
 from fsdpkit.checkpoint.storage import remove_tree
 from fsdpkit.checkpoint.storage.mirror import Mirror
