@@ -151,7 +151,7 @@ def test_a_manifest_downgraded_to_format_1_is_corrupt_not_unsealed(tmp_path, sea
     out = capsys.readouterr().out
     edited = ", yet it carries a manifest_sha256: its format_version was edited" if seal == "kept" else ""
     assert (f"BAD: {path} claims format_version 1, which has no seal{edited}; fsdpkit reads only sealed manifests "
-            "(format 2), so the step, data position and schedule it records cannot be trusted") in out
+            "(formats 2 to 3), so the step, data position and schedule it records cannot be trusted") in out
     assert out.splitlines()[-1] == "FAILED: 1 problem(s) in manifest.json"
     assert "checksums none checked: manifest.json, which holds them, cannot be trusted" in out
     with pytest.raises(CheckpointCorruptError, match="claims format_version 1, which has no seal"):
