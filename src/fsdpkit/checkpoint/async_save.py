@@ -129,12 +129,13 @@ class AsyncSaver:
         if background:
             self._ensure_buffer(live.state)
             staged = Snapshot(step=step, state=copy_into(live.state, self._buffer, copy_tensors=False),
-                              trainer=live.trainer, meta=meta, shared=live.shared)
+                              trainer=live.trainer, meta=meta, shared=live.shared,
+                              frozen_s=live.frozen_s)
             self._guard(target.optimizer)
             self._staging = (result, copied)
         else:
             staged = Snapshot(step=step, state=self._stage(live.state), trainer=live.trainer, meta=meta,
-                              shared=live.shared)
+                              shared=live.shared, frozen_s=live.frozen_s)
         result.stall_s = time.perf_counter() - t0
 
         def write() -> dict[str, Any]:

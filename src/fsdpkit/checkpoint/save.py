@@ -200,6 +200,7 @@ class Snapshot:
     meta: dict[str, Any]
     shares: Shares | None = None  # tensor checksum shares computed while staging (stage_hashing)
     shared: SharedDir | None = None  # the frozen tensors, taken out of `state`: written there (FrozenShare)
+    frozen_s: float = 0.0  # FrozenShare.take's time: the frozen tensors' checksums (and their write, if any)
 
 
 class FrozenShare:
@@ -219,6 +220,7 @@ class FrozenShare:
         model = snapshot.state.get("model", {})
         if not keys or any(k not in model for k in keys):
             return
+        t0 = time.perf_counter()
         frozen = {"model": {k: model.pop(k) for k in keys}}
         try:
             algorithm, table = tensor_table(frozen, group=group)
@@ -226,7 +228,7 @@ class FrozenShare:
             if current is not None and current.algorithm == algorithm and current.tensors == table:
                 problem = agree(stale_problem(current, self.root) if _rank(group) == 0 else None, group)
                 if problem is None:
-                    snapshot.shared = current
+                    snapshot.shared, snapshot.frozen_s = current, time.perf_counter() - t0
                     return
                 log.warning("checkpoint: the shared frozen tensors in %s cannot be referenced any more (%s); writing "
                             "them again", self.root / current.dir, problem)
@@ -237,6 +239,7 @@ class FrozenShare:
                             ", ..." if len(changed) > 5 else "")
             self.current = snapshot.shared = self._write(frozen, table, algorithm, run_id=run_id, step=snapshot.step,
                                                          group=group, thread_count=thread_count)
+            snapshot.frozen_s = time.perf_counter() - t0
         except BaseException:
             model.update(frozen["model"])  # the snapshot stays whole for the caller
             raise
@@ -403,6 +406,7 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
                                    f"{algorithm} (a bug: please report it)")
             tensors = {**tensors, **shared.tensors}
             extra = {**extra, SHARED: [shared.reference()]}
+            timings["frozen_s"] = snapshot.frozen_s  # checked (and written, the first time) before the rest
         timings["prepare_s"] = t_prepared - t0  # rank 0 readies the directory; every rank learns the outcome
         bytes_per_rank = [sum(i["size"] for n, i in f.items() if n != ".metadata") for f in files_by_rank]
         manifest, failure = None, None
