@@ -148,3 +148,54 @@ def test_auto_resume_skips_every_checkpoint_whose_shared_file_is_corrupt(run, tm
     assert f"shared/{base.parent.name}" in referenced(root)
     run_id = base.parent.name.split("-")[0]
     assert sweep(root, run_id=run_id, in_use=None) == [] and base.parent.is_dir()
+
+
+def test_on_object_storage_the_base_is_written_once_and_read_back(tmp_path):
+    """One process against moto's S3 server: the shared directory is an object prefix; retention,
+    resume, verify and export go through the bucket."""
+    import boto3
+    from frozen_worker import LoraNet
+
+    from fsdpkit.checkpoint.manager import Checkpointer
+    from fsdpkit.checkpoint.safe_io import read_dcp_metadata
+    from fsdpkit.export.exporter import export_checkpoint
+    from fsdpkit.export.verification import verify_checkpoint
+    from s3_server import s3_server
+
+    def build(seed: int) -> tuple[LoraNet, torch.optim.Optimizer]:
+        torch.manual_seed(seed)
+        model = LoraNet()
+        model.base.requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    with s3_server() as server:
+        bucket = server.new_bucket()
+        url = f"s3://{bucket}/run"
+        model, opt = build(0)
+        ck = Checkpointer(url, model=model, optimizer=opt, keep_last=1)
+        ck.resume()
+        for step in (1, 2, 3):
+            model(torch.randn(4, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            ck.save(step)
+        ck.close()
+        keys = [o["Key"] for o in boto3.client("s3", endpoint_url=server.endpoint).list_objects_v2(
+            Bucket=bucket)["Contents"]]
+        shared = sorted({k.split("/")[2] for k in keys if k.startswith("run/shared/")})
+        assert len(shared) == 1  # written by step 1, referenced by steps 2 and 3
+        assert sorted({k.split("/")[1] for k in keys if k.startswith("run/step_")}) == ["step_3"]  # keep_last=1
+        own = read_dcp_metadata(f"{url}/step_3").state_dict_metadata
+        assert "model.head.weight" in own and not set(BASE) & set(own)
+        fresh, fresh_opt = build(1)
+        again = Checkpointer(url, model=fresh, optimizer=fresh_opt)
+        assert again.resume() == 3
+        again.close()
+        for key, value in model.state_dict().items():
+            assert torch.equal(value, fresh.state_dict()[key]), key
+        report = verify_checkpoint(f"{url}/step_3")
+        assert report["ok"] and "shared" in report["checksums"], report
+        export_checkpoint(f"{url}/step_3", tmp_path / "out.safetensors", dtype="fp32", fmt="single")
+        exported = load_file(tmp_path / "out.safetensors")
+        for key, value in model.state_dict().items():
+            assert torch.equal(exported[key], value), key
