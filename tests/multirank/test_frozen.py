@@ -199,3 +199,14 @@ def test_on_object_storage_the_base_is_written_once_and_read_back(tmp_path):
         exported = load_file(tmp_path / "out.safetensors")
         for key, value in model.state_dict().items():
             assert torch.equal(exported[key], value), key
+
+
+def test_inspect_names_the_shared_directory(run, capsys):
+    from fsdpkit.cli.main import main
+
+    root = run[0] / "ckpt"
+    (shared,) = (root / "shared").iterdir()
+    assert main(["ckpt", "inspect", str(root / "step_6")]) == 0
+    out = capsys.readouterr().out
+    assert "4 frozen tensors" in out and f"shared/{shared.name}, written once and referenced" in out
+    assert "model.base.0.weight" in out  # listed among the checkpoint's tensors

@@ -181,6 +181,9 @@ def inspect_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
             "bytes_per_rank": dict(per_rank) if opened.kind in ("fsdpkit", "dcp") else None,
             "tensors": tensors,
             "non_tensor_items": others,
+            # frozen tensors held by a shared directory (checkpoint/frozen.py), not by the checkpoint's own files
+            "shared": [{"dir": ref["dir"], "tensors": len(ref["keys"]),
+                        "bytes": sum(f["size"] for f in ref["files"].values())} for ref in manifest.get("shared", [])],
         }
         if opened.kind in ("fsdpkit", "dcp") and isinstance(source, DcpSource | DcpLoadSource):
             report["dcp_version"] = getattr(source.metadata, "version", None)
@@ -205,6 +208,9 @@ def render_text(report: dict[str, Any], *, all_tensors: bool = False) -> str:
     if report.get("data_cursor"):
         lines.append(f"{'data cursor':<12}" + ", ".join(f"{k}={v}" for k, v in report["data_cursor"].items()))
     lines.append(f"{'checksums':<12}{report['checksums']['text']}")
+    for ref in report.get("shared", []):
+        lines.append(f"{'shared':<12}{ref['tensors']} frozen tensors ({_mib(ref['bytes'])}) in {ref['dir']}, written "
+                     "once and referenced")
     if report["config"]:
         lines.append("config")
         for section, values in report["config"].items():
