@@ -251,3 +251,38 @@ def test_every_hf_architecture_trains_resumes_and_exports_on_cuda(tmp_path, hf_t
         if found:
             problems[arch] = found
     assert problems == {}, json.dumps(problems, indent=1)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_frozen_weights_on_cuda_are_written_once_and_resume_bitwise(tmp_path, async_save):
+    """On CUDA the sync save checksums on the device (`linear`), an async one its host copy (rows):
+    the frozen tensors' checksums must follow the same algorithm as the rest of the save."""
+    sys.path.insert(0, str(ROOT / "tests" / "multirank"))
+    from frozen_worker import LoraNet
+
+    from fsdpkit.checkpoint.manager import Checkpointer
+
+    def build(seed: int):
+        torch.manual_seed(seed)
+        model = LoraNet().cuda()
+        model.base.requires_grad_(False)
+        return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+    model, opt = build(0)
+    ck = Checkpointer(tmp_path / "ckpt", model=model, optimizer=opt, async_save=async_save)
+    ck.resume()
+    for step in (1, 2, 3):
+        model(torch.randn(4, 16, device="cuda")).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        ck.save(step)
+    ck.close()
+    manifests = [json.loads((tmp_path / "ckpt" / f"step_{s}" / "manifest.json").read_text()) for s in (1, 2, 3)]
+    assert len({m["shared"][0]["dir"] for m in manifests}) == 1
+    assert {m["tensor_hash"] for m in manifests} == {"xxh3_64-rows" if async_save else "linear"}
+    fresh, fresh_opt = build(1)
+    again = Checkpointer(tmp_path / "ckpt", model=fresh, optimizer=fresh_opt)
+    assert again.resume() == 3
+    again.close()
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, fresh.state_dict()[key]), key

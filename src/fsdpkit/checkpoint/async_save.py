@@ -37,6 +37,7 @@ import torch
 import torch.distributed as tdist
 
 from fsdpkit import watchdog
+from fsdpkit.checkpoint.hashing import ROWS
 from fsdpkit.checkpoint.layout import CkptPath
 from fsdpkit.checkpoint.save import FrozenShare, PlanCache, Snapshot, capture, stage_hashing, write_snapshot
 from fsdpkit.checkpoint.staging import (
@@ -121,7 +122,9 @@ class AsyncSaver:
         rank = tdist.get_rank(self.group) if tdist.is_initialized() else 0
         live = capture(target, step=step, meta=meta, rank=rank)
         if self.frozen is not None:  # before staging: frozen tensors are neither copied nor written while unchanged
-            self.frozen.take(live, target, run_id=meta["run_id"], group=self.group, thread_count=self.thread_count)
+            # the write checksums the host copy (save.stage_hashing or _write_and_hash): the row hash
+            self.frozen.take(live, target, run_id=meta["run_id"], group=self.group, thread_count=self.thread_count,
+                             algorithm=ROWS)
         result = SaveResult(step=step, path=ckpt_dir, mode="async", wait_s=t_waited - t0)
         background = (self.background_staging and target.optimizer is not None
                       and not any(t.device.type != "cpu" for t in tensors(live.state)))

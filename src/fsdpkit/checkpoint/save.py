@@ -212,10 +212,12 @@ class FrozenShare:
         self.current: SharedDir | None = None
 
     def take(self, snapshot: Snapshot, target: CheckpointTarget, *, run_id: str, group: tdist.ProcessGroup | None,
-             thread_count: int = 1) -> None:
+             thread_count: int = 1, algorithm: str | None = None) -> None:
         """Collective: take the frozen tensors out of `snapshot.state` and make `snapshot.shared`
         the directory that holds them, writing it when none holds exactly these values (their
-        checksums, computed now, decide)."""
+        checksums, computed now, decide). `algorithm`: the tensor hash the rest of the save will
+        use (one per manifest); default: the one the rest of `snapshot.state` calls for (an async
+        save, which hashes its host copy, passes `xxh3_64-rows`)."""
         keys = [k.removeprefix("model.") for k in frozen_keys(target)]
         model = snapshot.state.get("model", {})
         if not keys or any(k not in model for k in keys):
@@ -223,7 +225,9 @@ class FrozenShare:
         t0 = time.perf_counter()
         frozen = {"model": {k: model.pop(k) for k in keys}}
         try:
-            algorithm, table = tensor_table(frozen, group=group)
+            if algorithm is None:
+                algorithm = hash_algorithm_for(checksummed_tensors(snapshot.state))
+            algorithm, table = tensor_table(frozen, group=group, algorithm=algorithm)
             current = self.current
             if current is not None and current.algorithm == algorithm and current.tensors == table:
                 problem = agree(stale_problem(current, self.root) if _rank(group) == 0 else None, group)
