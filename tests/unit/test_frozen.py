@@ -102,3 +102,41 @@ def test_frozen_means_no_gradient_and_not_in_the_optimizer():
     tied[0].weight.requires_grad_(False)
     assert frozen_keys(CheckpointTarget(tied, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))) == [
         "model.0.weight", "model.1.weight"]
+
+
+def test_a_failed_write_of_the_frozen_tensors_commits_nothing_and_leaves_no_debris(tmp_path, monkeypatch):
+    import errno
+
+    from fsdpkit.checkpoint import save
+    from fsdpkit.checkpoint.errors import CheckpointSaveError
+    from fsdpkit.checkpoint.manager import Checkpointer
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    ck = Checkpointer(tmp_path, model=model, optimizer=opt)
+    ck.resume()
+    ck.save(1)
+    (first,) = (tmp_path / "shared").iterdir()
+    real = save.hashing_writer
+
+    def disk_full(into, **kwargs):  # the test's fault: the new shared directory's first write fails
+        if into.parent.name == "shared":
+            into.mkdir()
+            (into / "__0_0.distcp").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(into, **kwargs)
+
+    monkeypatch.setattr(save, "hashing_writer", disk_full)
+    with torch.no_grad():
+        model[0].weight.data.mul_(2.0)  # a frozen tensor changed: the save must write it again
+    with pytest.raises(CheckpointSaveError, match="writing the frozen tensors to .* failed .*No space left"):
+        ck.save(2)
+    assert (tmp_path / "latest").read_text() == "step_1\n" and not (tmp_path / "step_2").exists()
+    assert list((tmp_path / "shared").iterdir()) == [first]  # the partial directory was removed
+    monkeypatch.setattr(save, "hashing_writer", real)
+    ck.save(2)
+    ck.close()
+    written = read_manifest(tmp_path / "step_2")["shared"][0]["dir"]
+    assert written != f"shared/{first.name}" and (tmp_path / written).is_dir()

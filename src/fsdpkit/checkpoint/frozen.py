@@ -29,8 +29,6 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch.distributed as tdist
-
 from fsdpkit.checkpoint.layout import ARCHIVE, MANIFEST, CkptPath
 from fsdpkit.checkpoint.storage import remove_tree
 
@@ -163,15 +161,6 @@ def sweep(root: CkptPath, *, run_id: str, in_use: str | None) -> list[str]:
 
 def new_dir_name(*, run_id: str, step: int) -> str:
     return f"{SHARED}/{run_id}-step_{step}-{uuid.uuid4().hex[:8]}"
-
-
-def agree(value: Any, group: tdist.ProcessGroup | None) -> Any:
-    """Rank 0's `value` on every rank."""
-    if not tdist.is_initialized():
-        return value
-    box = [value]
-    tdist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
 
 
 def stale_problem(shared: SharedDir, root: CkptPath) -> str | None:

@@ -9,6 +9,7 @@ instead of hanging it; the previous checkpoint then stays `latest`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint.planner import SavePlanner
 
 from fsdpkit.checkpoint import staging
 from fsdpkit.checkpoint.errors import CheckpointSaveError
-from fsdpkit.checkpoint.frozen import SHARED, SharedDir, agree, frozen_keys, new_dir_name, stale_problem
+from fsdpkit.checkpoint.frozen import SHARED, SharedDir, frozen_keys, new_dir_name, stale_problem
 from fsdpkit.checkpoint.full import write_full
 from fsdpkit.checkpoint.hashing import (
     hash_algorithm_for,
@@ -230,7 +231,7 @@ class FrozenShare:
             algorithm, table = tensor_table(frozen, group=group, algorithm=algorithm)
             current = self.current
             if current is not None and current.algorithm == algorithm and current.tensors == table:
-                problem = agree(stale_problem(current, self.root) if _rank(group) == 0 else None, group)
+                problem = _agree(stale_problem(current, self.root) if _rank(group) == 0 else None, group)
                 if problem is None:
                     snapshot.shared, snapshot.frozen_s = current, time.perf_counter() - t0
                     return
@@ -250,19 +251,29 @@ class FrozenShare:
 
     def _write(self, frozen: dict[str, Any], table: dict[str, Any], algorithm: str, *, run_id: str, step: int,
                group: tdist.ProcessGroup | None, thread_count: int) -> SharedDir:
-        name = agree(new_dir_name(run_id=run_id, step=step) if _rank(group) == 0 else None, group)
+        name = _agree(new_dir_name(run_id=run_id, step=step) if _rank(group) == 0 else None, group)
         into = self.root / name
         try:
-            writer, fs = hashing_writer(into, thread_count=thread_count)
-            with zip_crc32_off():
-                dcp.save(frozen, storage_writer=writer, process_group=group)
-            files = {n: i for rank_files in _gather(fs.files, group) for n, i in rank_files.items()}
+            try:
+                writer, fs = hashing_writer(into, thread_count=thread_count)
+                with zip_crc32_off():
+                    dcp.save(frozen, storage_writer=writer, process_group=group)
+                files = {n: i for rank_files in _gather(fs.files, group) for n, i in rank_files.items()}
+            except BaseException:
+                if _rank(group) == 0:  # a fresh name that nothing references: give the space back
+                    with contextlib.suppress(OSError):
+                        remove_tree(into)
+                raise
         except CheckpointException as e:  # a BaseException: see _commit
             raise CheckpointSaveError(f"writing the frozen tensors to {into} failed on at least one rank; the "
                                       f"previous checkpoint stays latest: {e}") from e
         except RuntimeError as e:
             raise CheckpointSaveError(f"writing the frozen tensors to {into} failed: a rank died or stalled "
                                       f"({str(e).splitlines()[0]}); the previous checkpoint stays latest") from e
+        except OSError as e:
+            raise CheckpointSaveError(f"writing the frozen tensors to {into} failed ({e}); nothing was committed and "
+                                      "the previous checkpoint stays latest. Free space or fix permissions, then "
+                                      "resume") from e
         log.info("checkpoint: wrote %d frozen tensor(s) to %s; later checkpoints reference them while they are "
                  "unchanged", len(table), into)
         return SharedDir(name, files, table, algorithm)
