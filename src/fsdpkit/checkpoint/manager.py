@@ -193,7 +193,7 @@ class Checkpointer:
         **settings: the `checkpoint.*` settings (every_steps, every_minutes, save_at_end, resume,
             resume_mode, existing, async_save, async_staging, keep_last, keep_every, keep_best, keep_best_metric,
             keep_best_mode, verify_checksums, verify_on_load, timeout_s, exception_timeout_s,
-            thread_count, on_exception, preemption_signals, storage_options, local_dir), plus
+            thread_count, share_frozen, on_exception, preemption_signals, storage_options, local_dir), plus
             state_dict_type (sharded|full). They are this instance's alone: `storage_options` open
             its `dir` (and a `resume` URL), `local_dir` is its own mirror.
     Raises:

@@ -129,7 +129,10 @@ class Mirror:
         manifest = matching(local, remote)
         if manifest is None:
             return None, f"{local / MANIFEST} is missing or differs from {remote / MANIFEST}"
-        for name, info in json.loads(manifest).get("files", {}).items():
+        parsed = json.loads(manifest)
+        if parsed.get("shared"):  # frozen tensors written once (checkpoint/frozen.py): never mirrored
+            return None, "it references shared frozen tensors, which live in the bucket only"
+        for name, info in parsed.get("files", {}).items():
             f = local / name
             if not f.is_file() or f.stat().st_size != info["size"]:
                 return None, f"{f} is missing or has the wrong size"
