@@ -51,6 +51,7 @@ bench: $(STAMP)
 	-$(BIN)/python bench/gil.py
 	-$(BIN)/python bench/hf_load.py
 	-$(BIN)/python bench/coordinator.py
+	-$(BIN)/python bench/frozen.py
 	$(BIN)/python bench/results_md.py --since $$(cat bench/.bench_started)
 
 # The CUDA/NCCL paths on one GPU (skipped, with the reason, without CUDA; CI has none), and the GPU

@@ -30,6 +30,7 @@ BENCHES = (  # (json, title, script)
     ("hf_load.json", "Training from a Hugging Face folder: launch to first step, peak RSS", "bench/hf_load.py"),
     ("coordinator.json", "B9: the coordinator's cost at 2-16 real and 256-4,096 simulated ranks",
      "bench/coordinator.py"),
+    ("frozen.json", "B10: frozen weights written once (a 1 GiB frozen base, 2 ranks)", "bench/frozen.py"),
 )
 
 
