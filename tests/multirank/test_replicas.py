@@ -1,0 +1,94 @@
+"""Replicas read once (issue 36 item 4): under HYBRID_SHARD 2x2 on 4 gloo ranks and NO_SHARD on 2, one
+replica group reads the checkpoint and the others receive it. Two launches of replicas_worker.py; the
+bytes each rank read are counted by the worker around DCP's file system (nothing in fsdpkit counts)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from conftest import ROOT, torchrun  # noqa: E402
+
+pytestmark = pytest.mark.dist
+WORKER = ROOT / "tests" / "multirank" / "replicas_worker.py"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("replicas")
+    work = out / "work"
+    work.mkdir()
+    res = {}
+    for phase, nproc in (("hsdp", 4), ("noshard", 2)):
+        torchrun(nproc, WORKER, phase, str(out / f"{phase}.json"), str(work), timeout=400)
+        res[phase] = json.loads((out / f"{phase}.json").read_text())
+    return res
+
+
+def data_bytes(reads: dict) -> int:
+    return sum(n for name, n in reads.items() if name.endswith(".distcp"))
+
+
+@pytest.mark.parametrize(("phase", "readers", "receivers"), [("hsdp", [0, 1], [2, 3]), ("noshard", [0], [1])])
+def test_each_byte_is_read_once_and_the_state_is_restored_bitwise(runs, phase, readers, receivers):
+    res = runs[phase]
+    data = {name: size for name, size in res["sizes"].items() if name.endswith(".distcp")}
+    for mode in ("today", "once"):
+        assert res[mode]["errors"] == [None] * len(res[mode]["errors"]), mode
+        assert res[mode]["differ"] == [[]] * len(res[mode]["differ"]), mode  # model, AdamW, buffers, Stateful, RNG
+        assert res[mode]["count"] == [3] * len(res[mode]["count"]), mode
+    once = res["once"]["reads"]
+    for r in receivers:  # not a byte of the checkpoint, .metadata included
+        assert once[r] == {}, (r, once[r])
+    assert all(data_bytes(once[r]) > 0 for r in readers)
+    # every stored item read by one rank, once; together they are every byte of every data file
+    items = [tuple(item) for per_rank in res["once"]["items"] for item in per_rank]
+    assert len(items) == len(set(items))
+    assert {name: sum(n for f, _, n in items if f == name) for name in data} == data
+    # today's path, in the same launch and counted alike: every replica group read it all (the items
+    # every rank holds alike, every rank), but for each rank's own RNG state, read once either way
+    replicas, rng = len(res["peers"][0]), {tuple(item) for item in res["rng_items"]}
+    items_today = [tuple(item) for per_rank in res["today"]["items"] for item in per_rank]
+    assert set(items_today) == set(items) and rng < set(items)
+    assert all(items_today.count(item) == 1 if item in rng else items_today.count(item) >= replicas
+               for item in set(items_today))
+    # the bytes that came through the file system (torch.load reads an item's zip records with some
+    # overlap: more than the items' own bytes on so small a state)
+    today = sum(data_bytes(reads) for reads in res["today"]["reads"])
+    assert sum(data_bytes(reads) for reads in once) < 0.6 * today
+
+
+@pytest.mark.parametrize("phase", ["hsdp", "noshard"])
+def test_a_replica_holds_exactly_what_its_reader_loaded(runs, phase):
+    res = runs[phase]
+    assert len(res["replica_differs"]) == sum(len(group) for group in res["peers"])
+    assert all(differ == [] for differ in res["replica_differs"].values()), res["replica_differs"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "removed"])
+def test_a_failure_on_the_reading_replica_fails_every_rank_with_one_error(runs, damage):
+    damaged = runs["hsdp"]["damaged"]
+    victim, run = damaged["victim"], damaged[damage]
+    errors = run["errors"]
+    assert all(e is not None for e in errors), errors
+    assert len(set(errors)) == 1, errors  # one error, the same on every rank
+    assert errors[0].startswith("CheckpointCorruptError: ") and victim in errors[0], errors[0]
+    assert "reads for its replicas" in errors[0] and "Nothing was restored on any rank" in errors[0]
+    if damage == "truncated":
+        assert f"{victim} has " in errors[0] and "(truncated or overwritten)" in errors[0]
+    else:
+        assert f"{victim} is missing" in errors[0]
+    assert max(run["seconds"]) < 60  # nobody waited for a broadcast that never came
+
+
+@pytest.mark.parametrize(("phase", "tag"), [("hsdp", "fs4_to_hsdp"), ("noshard", "hsdp_to_noshard")])
+def test_elastic_resumes_into_and_out_of_replicas(runs, phase, tag):
+    run = runs[phase][tag]
+    assert run["errors"] == [None] * len(run["errors"])
+    assert run["differ"] == [[]] * len(run["differ"])
+    assert run["count"] == [3] * len(run["count"])
+    assert all(reads == {} for reads in run["reads"][len(run["reads"]) // 2:])  # replicate coordinate 1
