@@ -77,7 +77,7 @@ def find_replication(state: dict[str, Any], *, group: tdist.ProcessGroup | None)
     if not tdist.is_initialized() or tdist.get_world_size(group) == 1:
         return None
     mesh, replicated = None, None
-    for value in _leaves(state):
+    for value in _flat(state).values():
         if isinstance(value, DTensor):
             dims = {i for i, p in enumerate(value.placements) if p.is_replicate() and value.device_mesh.size(i) > 1}
             if mesh is None:
@@ -86,8 +86,8 @@ def find_replication(state: dict[str, Any], *, group: tdist.ProcessGroup | None)
                 return None
             else:
                 replicated &= dims
-        elif isinstance(value, list | tuple) and any(isinstance(v, DTensor) for v in _leaves(value)):
-            return None  # a DTensor inside a list: not a leaf this module sends
+        elif isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in _leaves(value)):
+            return None  # tensors inside a list: leaves this module does not send
     if mesh is None or len(replicated) != 1:
         return None
     world = tdist.get_process_group_ranks(group) if group is not None else list(range(tdist.get_world_size()))
@@ -238,8 +238,8 @@ def _describe(error: BaseException, reader: Any, *, state: dict[str, Any], ckpt_
         where = (f" Damaged: {'; '.join(damaged)}." if damaged
                  else f" It was reading {', '.join(str(ckpt_dir / f) for f in files)}." if files else "")
     message = (f"{ckpt_dir} could not be loaded: rank {tdist.get_rank()}, which reads for its replicas, failed "
-               f"({reasons}).{where} Nothing was restored on any rank; check the checkpoint with `fsdpkit ckpt "
-               "verify`, or resume from an earlier one")
+               f"({reasons}).{where} The load stopped on every rank, before the restore; check the checkpoint with "
+               f"`fsdpkit ckpt verify {ckpt_dir}`, or resume from an earlier one")
     return kind, message, own
 
 
