@@ -8,7 +8,8 @@ Phases:
        counted here, by wrapping DCP's file system (nothing in fsdpkit counts), and
        each stored item read (file, offset, length) is recorded. Then a checkpoint saved
        under FULL_SHARD on 4 is loaded under HSDP 2x2 (elastic), and a data file that a reader reads is
-       truncated, then removed: every rank must raise one error naming it.
+       truncated, then removed, and `.metadata` replaced by a crafted pickle: every rank must raise one
+       error naming the file.
   noshard (2 ranks): NO_SHARD's (2, 1) mesh, saved and loaded read-once; then the hsdp phase's
        HSDP checkpoint loaded under NO_SHARD on 2 (elastic).
 Rank 0 writes what every rank saw to OUT.json.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import random
 import shutil
 import sys
@@ -247,7 +249,7 @@ def rng_items(ckpt: Path) -> list[tuple[str, int, int]]:
 
 
 def damaged_loads(mesh, ckpt: Path, reads: list[dict]) -> dict:
-    """A data file that reader 1 reads, truncated, then removed: every rank's error."""
+    """A data file that reader 1 reads, truncated, then removed, and a crafted `.metadata`: every rank's error."""
     target, _ = build(mesh)
     victim = sorted(name for name in reads[1] if name.endswith(".distcp"))[0]
     path = ckpt / victim
@@ -263,10 +265,22 @@ def damaged_loads(mesh, ckpt: Path, reads: list[dict]) -> dict:
         path.unlink()
     tdist.barrier()
     res["removed"] = load(target, ckpt)
+    metadata = ckpt / ".metadata"
     if tdist.get_rank() == 0:
         shutil.move(keep, path)
+        shutil.copyfile(metadata, keep)
+        metadata.write_bytes(pickle.dumps(Crafted()))  # unpickled with plain pickle, it would run a command
+    tdist.barrier()
+    res["refused"] = load(target, ckpt)
+    if tdist.get_rank() == 0:
+        shutil.move(keep, metadata)
     tdist.barrier()
     return res
+
+
+class Crafted:
+    def __reduce__(self):
+        return os.system, ("echo the crafted .metadata ran",)
 
 
 def elastic(mesh, ckpt: Path, saved: dict | None) -> dict:

@@ -92,3 +92,13 @@ def test_elastic_resumes_into_and_out_of_replicas(runs, phase, tag):
     assert run["differ"] == [[]] * len(run["differ"])
     assert run["count"] == [3] * len(run["count"])
     assert all(reads == {} for reads in run["reads"][len(run["reads"]) // 2:])  # replicate coordinate 1
+
+
+def test_a_refused_metadata_fails_every_rank_before_anything_is_read(runs):
+    run = runs["hsdp"]["damaged"]["refused"]
+    errors = run["errors"]
+    assert len(set(errors)) == 1 and errors[0] is not None, errors
+    assert errors[0].startswith("UnsafeCheckpointError: ")
+    assert "step_2/.metadata` asks to load `posix.system`" in errors[0]
+    assert all(reads == {} for reads in run["reads"][2:])  # the replicas read nothing, .metadata included
+    assert all(not any(name.endswith(".distcp") for name in reads) for reads in run["reads"])

@@ -9,23 +9,25 @@ group: gloo on CPU, NCCL on GPU). What the readers load, every peer ends up hold
 restore (set_state_dict, Stateful pieces, RNG) and the post-load verification then run on every rank
 as after any load.
 
-What is sent:
-- DTensors (model and optimizer shards): the local tensor, the same on the reader and its peers;
-- plain tensors (AdamW's `step`, the Stateful pieces' `state.*` tensors): the same on every rank,
-  read once, by the readers;
+What is read where, and sent:
+- DTensors (model and optimizer shards): each reader reads its local shards and sends them to its
+  peers, which hold the same shards;
+- what every rank holds alike (plain tensors: AdamW's `step`, buffers, the Stateful pieces'
+  `state.*` tensors; values: optimizer `param_groups`): read by the first reader alone, which hands
+  them to the other readers over the readers' group; then sent on to the peers with the rest (values
+  pickled: DCP's, already read with `weights_only=True`);
 - each rank's RNG state (`rng.rank<r>.*`, per rank): the reader reads its peers' keys as well as its
-  own (each in its saver's file, read by one rank), and sends them with the rest: every peer takes its
-  own;
-- the loaded non-tensor values (optimizer `param_groups`), pickled (DCP's values, already read with
-  `weights_only=True`).
+  own (each stored once, in its saver's file) and sends them with the rest; every peer keeps its own.
 Tensors go whole when large and on the broadcast's device, the rest as the bytes of consecutive
 buckets (at most `BUCKET_BYTES` of extra memory).
 
-Failures: the readers' DCP load raises on every reader when one of them fails (DCP gathers its
-ranks' errors); then every rank of the load's group agrees on the outcome (one all-reduce) before
-any broadcast, so a reader that failed fails every rank with the same error, naming the files it
-was reading (and which of them fail their checksum), and no peer waits on a broadcast that never
-comes.
+Failures: the readers agree before DCP's load (a refused `.metadata`: none enters it), and DCP's load
+raises on every reader when one of them fails (it gathers its ranks' errors); then every rank of the
+load's group agrees on the outcome (one all-reduce) before any broadcast, so a reader that failed
+fails every rank with the same error (the first failing reader's), naming the files it was reading
+and those of them that fail their size or checksum, and no peer waits on a broadcast that never
+comes. A second all-reduce after the broadcasts stops every rank alike should a peer's shards not
+match its reader's (an internal error; replicas hold identical shards).
 
 Replication is found from the state's DTensors (their mesh and placements), never from a config
 name: one mesh for all of them, one replicated dimension of size > 1 shared by all, covering the
@@ -167,7 +169,8 @@ def _read(state: dict[str, Any], reader: Any, *, replication: Replication, group
     pg = readers_group(replication.readers) if len(replication.readers) > 1 else None
     first = tdist.get_rank() == replication.readers[0]
     failure = None
-    try:
+    try:  # the metadata first, so that a refused one surfaces as UnsafeCheckpointError (DCP keeps its text only)
+        reader.read_metadata()
         _select_rng(state, reader, replication=replication, group=group)
     except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
         failure = _describe(e, reader, state=state, ckpt_dir=ckpt_dir, manifest=manifest, own=True)
