@@ -30,13 +30,14 @@ comes. A second all-reduce after the broadcasts stops every rank alike should a 
 match its reader's (an internal error; replicas hold identical shards).
 
 Replication is found from the state's DTensors (their mesh and placements), never from a config
-name: one mesh for all of them, one replicated dimension of size > 1 shared by all, covering the
-load's whole group. Anything else (a 1-D FULL_SHARD mesh, no DTensors) returns None from
+name: one mesh for all of them, one replicated dimension of size > 1 shared by all, covering every
+rank (the load's group too). Anything else (a 1-D FULL_SHARD mesh, no DTensors) returns None from
 `find_replication` and the load reads as before, every rank its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,7 @@ class Replication:
     dim: int  # the replicated mesh dimension
     peers: tuple[int, ...]  # this rank's replica group, along `dim`; peers[0] reads for them all
     readers: tuple[int, ...]  # every rank at coordinate 0 of `dim` (one per shard coordinate)
+    group: tdist.ProcessGroup | None = None  # the readers' gloo group (a reader's, when there are several)
 
     @property
     def reads(self) -> bool:
@@ -92,8 +94,9 @@ def find_replication(state: dict[str, Any], *, group: tdist.ProcessGroup | None)
             return None  # tensors inside a list: leaves this module does not send
     if mesh is None or len(replicated) != 1:
         return None
-    world = tdist.get_process_group_ranks(group) if group is not None else list(range(tdist.get_world_size()))
-    if sorted(mesh.mesh.flatten().tolist()) != sorted(world):
+    if tdist.get_world_size(group) != tdist.get_world_size():
+        return None  # the readers' group is made over every rank, all of which must be loading
+    if sorted(mesh.mesh.flatten().tolist()) != list(range(tdist.get_world_size())):
         return None
     (dim,) = replicated
     coordinate = mesh.get_coordinate()
@@ -127,6 +130,8 @@ def load_replicated(state: dict[str, Any], reader: Any, *, replication: Replicat
     """
     rank = _group_rank(group)
     own_rng = state.get("rng", {}).get(f"rank{rank}")
+    if len(replication.readers) > 1:
+        replication = dataclasses.replace(replication, group=readers_group(replication.readers))
     failure = _read(state, reader, replication=replication, group=group, ckpt_dir=ckpt_dir,
                     manifest=manifest) if replication.reads else None
     _agree(failure, group=group)
@@ -151,14 +156,20 @@ Failure = tuple[type[BaseException], str, bool]
 
 # --- the readers ---------------------------------------------------------------------------------------------------
 
-_READER_GROUPS: dict[tuple[int, ...], tdist.ProcessGroup] = {}
+_READER_GROUPS: dict[tuple[int, ...], tuple[Any, tdist.ProcessGroup | None]] = {}
 
 
-def readers_group(readers: tuple[int, ...]) -> tdist.ProcessGroup:
-    """A gloo group of `readers` (global ranks), made once per process by those ranks alone."""
-    if readers not in _READER_GROUPS:
-        _READER_GROUPS[readers] = tdist.new_group(list(readers), backend="gloo", use_local_synchronization=True)
-    return _READER_GROUPS[readers]
+def readers_group(readers: tuple[int, ...]) -> tdist.ProcessGroup | None:
+    """Collective over the default group (every rank calls it at the same point): a gloo group of
+    `readers` (global ranks; None on the others), made once per process group, then reused. Made
+    by every rank, so its name is new (a group made by its members alone is named after its ranks,
+    and a second one, or one the run made itself, would take the same name and store keys)."""
+    world = tdist.group.WORLD
+    made = _READER_GROUPS.get(readers)
+    if made is None or made[0] is not world:
+        pg = tdist.new_group(list(readers), backend="gloo")
+        _READER_GROUPS[readers] = made = (world, pg if tdist.get_rank() in readers else None)
+    return made[1]
 
 
 def _read(state: dict[str, Any], reader: Any, *, replication: Replication, group: tdist.ProcessGroup | None,
@@ -166,7 +177,7 @@ def _read(state: dict[str, Any], reader: Any, *, replication: Replication, group
     """A reader: DCP load of its shards and of its peers' RNG state; the first reader alone reads the
     leaves that every rank holds alike (plain tensors, optimizer `param_groups`) and hands them to
     the other readers. Returns the failure, if any (every reader then has one, or hears of one)."""
-    pg = readers_group(replication.readers) if len(replication.readers) > 1 else None
+    pg = replication.group
     first = tdist.get_rank() == replication.readers[0]
     failure = None
     try:  # the metadata first, so that a refused one surfaces as UnsafeCheckpointError (DCP keeps its text only)
