@@ -10,6 +10,8 @@ Phases:
        under FULL_SHARD on 4 is loaded under HSDP 2x2 (elastic), and a data file that a reader reads is
        truncated, then removed, and `.metadata` replaced by a crafted pickle: every rank must raise one
        error naming the file.
+       Last, a model with a frozen first layer saved twice (the second checkpoint references the shared
+       directory of frozen tensors the first wrote) and loaded read-once.
   noshard (2 ranks): NO_SHARD's (2, 1) mesh, saved and loaded read-once; then the hsdp phase's
        HSDP checkpoint loaded under NO_SHARD on 2 (elastic).
 Rank 0 writes what every rank saw to OUT.json.
@@ -38,13 +40,14 @@ from torch.distributed.tensor import DTensor
 from fsdpkit import dist
 from fsdpkit.checkpoint import resume
 from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.frozen import SHARED
 from fsdpkit.checkpoint.manifest import model_fingerprint
 from fsdpkit.checkpoint.resume import load_checkpoint
-from fsdpkit.checkpoint.save import save_checkpoint
+from fsdpkit.checkpoint.save import FrozenShare, save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, DictState, capture_rng, flatten
 
 READS: dict[str, int] = {}  # file name -> bytes this rank read through DCP's file system
-ITEMS: list[tuple[str, int, int]] = []  # (file name, offset, length) of each stored item this rank read
+ITEMS: list[tuple[str, int, int]] = []  # (directory/file, offset, length) of each stored item this rank read
 
 
 class CountingStream:
@@ -93,7 +96,7 @@ def install_counter() -> None:
     slice_file = dcp_fs.FileSystemReader._slice_file
 
     def record_item(self, file, sinfo):
-        ITEMS.append((Path(sinfo.relative_path).name, sinfo.offset, sinfo.length))
+        ITEMS.append((f"{Path(self.path).name}/{Path(sinfo.relative_path).name}", sinfo.offset, sinfo.length))
         return slice_file(self, file, sinfo)
 
     dcp_fs.FileSystemReader._slice_file = record_item
@@ -210,9 +213,33 @@ def load(target: CheckpointTarget, ckpt: Path, *, today: bool = False) -> dict:
             "errors": everyone(error)}
 
 
-def save(target: CheckpointTarget, ckpt: Path, step: int) -> None:
+def save(target: CheckpointTarget, ckpt: Path, step: int, frozen: FrozenShare | None = None) -> None:
     meta = {"run_id": "replicas", "fingerprint": model_fingerprint(target.model, sharding={}), "metrics": {}}
-    save_checkpoint(target, ckpt_dir=ckpt, step=step, meta=meta, group=None)
+    save_checkpoint(target, ckpt_dir=ckpt, step=step, meta=meta, group=None, frozen=frozen)
+
+
+def frozen_base(mesh, work: Path) -> dict:
+    """The first layer frozen (no gradient, not in the optimizer): the second checkpoint references
+    the shared directory the first one wrote; loaded read-once, from both directories."""
+    target, extra = build(mesh)
+    for param in target.model[0].parameters():
+        param.requires_grad_(False)
+    target.optimizer = torch.optim.AdamW([p for p in target.model.parameters() if p.requires_grad], lr=1e-2)
+    share, root = FrozenShare(work / "frozen"), work / "frozen"
+    train(target)
+    save(target, root / "step_1", step=1, frozen=share)
+    train(target, steps=1)
+    seed_rank(100)
+    saved = full_state(target)
+    save(target, root / "step_2", step=2, frozen=share)
+    manifest = json.loads((root / "step_2" / "manifest.json").read_text())
+    shared = [root / ref["dir"] for ref in manifest.get(SHARED, [])]
+    scramble(target, extra)
+    res = load(target, root / "step_2")
+    res["differ"] = everyone(compare(saved, full_state(target)))
+    res["sizes"] = {k: v for d in [root / "step_2", *shared] for k, v in sizes(d).items()}
+    res["shared"] = [d.name for d in shared]
+    return res
 
 
 def save_and_check(mesh, work: Path, name: str) -> tuple[dict, Path]:
@@ -224,8 +251,7 @@ def save_and_check(mesh, work: Path, name: str) -> tuple[dict, Path]:
     ckpt = work / name / "step_2"
     saved = full_state(target)  # no RNG draw between this capture and the save's
     save(target, ckpt, step=2)
-    res = {"sizes": {p.name: p.stat().st_size for p in ckpt.iterdir() if p.is_file()}, "saved": saved,
-           "rng_items": rng_items(ckpt)}
+    res = {"sizes": sizes(ckpt), "saved": saved, "rng_items": rng_items(ckpt)}
     for mode in ("today", "once"):
         scramble(target, extra)
         res[mode] = load(target, ckpt, today=mode == "today")
@@ -240,11 +266,15 @@ def save_and_check(mesh, work: Path, name: str) -> tuple[dict, Path]:
     return res, ckpt
 
 
+def sizes(ckpt: Path) -> dict[str, int]:
+    return {f"{ckpt.name}/{p.name}": p.stat().st_size for p in ckpt.iterdir() if p.is_file()}
+
+
 def rng_items(ckpt: Path) -> list[tuple[str, int, int]]:
     """(file, offset, length) of every stored item of the ranks' RNG state."""
     from fsdpkit.checkpoint.safe_io import read_dcp_metadata
 
-    return [(Path(info.relative_path).name, info.offset, info.length)
+    return [(f"{ckpt.name}/{Path(info.relative_path).name}", info.offset, info.length)
             for index, info in read_dcp_metadata(ckpt).storage_data.items() if index.fqn.startswith("rng.")]
 
 
@@ -308,6 +338,7 @@ def phase_hsdp(work: Path) -> dict:
     saved = full_state(source)
     save(source, work / "fs4" / "step_2", step=2)
     res["fs4_to_hsdp"] = elastic(mesh, work / "fs4" / "step_2", saved)
+    res["frozen"] = frozen_base(mesh, work)
     return res
 
 

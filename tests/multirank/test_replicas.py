@@ -102,3 +102,15 @@ def test_a_refused_metadata_fails_every_rank_before_anything_is_read(runs):
     assert "step_2/.metadata` asks to load `posix.system`" in errors[0]
     assert all(reads == {} for reads in run["reads"][2:])  # the replicas read nothing, .metadata included
     assert all(not any(name.endswith(".distcp") for name in reads) for reads in run["reads"])
+
+
+def test_frozen_tensors_in_a_shared_directory_are_read_once_too(runs):
+    run = runs["hsdp"]["frozen"]
+    assert run["shared"] and run["errors"] == [None] * 4
+    assert run["differ"] == [[]] * 4
+    assert run["reads"][2] == {} and run["reads"][3] == {}
+    items = [tuple(item) for per_rank in run["items"] for item in per_rank]
+    assert len(items) == len(set(items))
+    data = {name: size for name, size in run["sizes"].items() if name.endswith(".distcp")}
+    assert any(name.startswith(run["shared"][0] + "/") for name in data)
+    assert {name: sum(n for f, _, n in items if f == name) for name in data} == data

@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as tdist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DeviceMesh, DTensor
 
@@ -118,11 +118,14 @@ def _leaves(tree: Any) -> Any:
         yield tree
 
 
-def load_replicated(state: dict[str, Any], reader: Any, *, replication: Replication, group: tdist.ProcessGroup | None,
-                    ckpt_dir: Path, manifest: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+def load_replicated(state: dict[str, Any], reader: Any, *, read: Callable[..., None], replication: Replication,
+                    group: tdist.ProcessGroup | None, ckpt_dir: Path,
+                    manifest: dict[str, Any]) -> dict[str, torch.Tensor] | None:
     """Collective over `group`: fill `state` (target.tensor_state's dict, this rank's `rng` entry
-    included) in place, the readers through DCP, their peers by broadcast. Returns this rank's RNG
-    state, or None when the checkpoint holds none for it (`state["rng"]` is then removed).
+    included) in place, the readers through `read(state, group=..., no_dist=...)` (DCP's load of
+    the checkpoint, through `reader`, and of the shared directories it references), their peers by
+    broadcast. Returns this rank's RNG state, or None when the checkpoint holds none for it
+    (`state["rng"]` is then removed).
 
     Raises (on every rank alike): CheckpointCorruptError (a file missing, truncated or garbled),
     UnsafeCheckpointError (a refused `.metadata` or item), CheckpointError for anything else that
@@ -132,7 +135,7 @@ def load_replicated(state: dict[str, Any], reader: Any, *, replication: Replicat
     own_rng = state.get("rng", {}).get(f"rank{rank}")
     if len(replication.readers) > 1:
         replication = dataclasses.replace(replication, group=readers_group(replication.readers))
-    failure = _read(state, reader, replication=replication, group=group, ckpt_dir=ckpt_dir,
+    failure = _read(state, reader, read=read, replication=replication, group=group, ckpt_dir=ckpt_dir,
                     manifest=manifest) if replication.reads else None
     _agree(failure, group=group)
     rng, problem = _broadcast(state, replication=replication, rank=rank, own_rng=own_rng)
@@ -172,8 +175,8 @@ def readers_group(readers: tuple[int, ...]) -> tdist.ProcessGroup | None:
     return made[1]
 
 
-def _read(state: dict[str, Any], reader: Any, *, replication: Replication, group: tdist.ProcessGroup | None,
-          ckpt_dir: Path, manifest: dict[str, Any]) -> Failure | None:
+def _read(state: dict[str, Any], reader: Any, *, read: Callable[..., None], replication: Replication,
+          group: tdist.ProcessGroup | None, ckpt_dir: Path, manifest: dict[str, Any]) -> Failure | None:
     """A reader: DCP load of its shards and of its peers' RNG state; the first reader alone reads the
     leaves that every rank holds alike (plain tensors, optimizer `param_groups`) and hands them to
     the other readers. Returns the failure, if any (every reader then has one, or hears of one)."""
@@ -194,7 +197,7 @@ def _read(state: dict[str, Any], reader: Any, *, replication: Replication, group
         return failure
     alike = {} if first or pg is None else {p: _pop(state, p) for p, v in _flat(state).items() if _alike(p, v)}
     try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=pg, no_dist=pg is None)
+        read(state, group=pg, no_dist=pg is None)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         own = not isinstance(e, CheckpointException) or (tdist.get_rank(pg) if pg else 0) in e.failures
         return _describe(e, reader, state=state, ckpt_dir=ckpt_dir, manifest=manifest, own=own)
