@@ -1,4 +1,5 @@
 """Replicas read once (checkpoint/replicas.py), on N gloo ranks. Usage: replicas_worker.py PHASE OUT.json WORK_DIR
+[BUCKET]
 
 Phases:
   hsdp (4 ranks): a model under HYBRID_SHARD 2x2 (AdamW, a persistent buffer, a Stateful tensor, each rank's
@@ -11,7 +12,8 @@ Phases:
        truncated, then removed, and `.metadata` replaced by a crafted pickle: every rank must raise one
        error naming the file.
        Last, a model with a frozen first layer saved twice (the second checkpoint references the shared
-       directory of frozen tensors the first wrote) and loaded read-once.
+       directory of frozen tensors the first wrote) and loaded read-once; with BUCKET, a checkpoint on
+       moto's S3 server (AWS_ENDPOINT_URL) loaded read-once.
   noshard (2 ranks): NO_SHARD's (2, 1) mesh, saved and loaded read-once; then the hsdp phase's
        HSDP checkpoint loaded under NO_SHARD on 2 (elastic).
 Rank 0 writes what every rank saw to OUT.json.
@@ -41,7 +43,7 @@ from fsdpkit import dist
 from fsdpkit.checkpoint import resume
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.frozen import SHARED
-from fsdpkit.checkpoint.manifest import model_fingerprint
+from fsdpkit.checkpoint.manifest import model_fingerprint, read_manifest
 from fsdpkit.checkpoint.resume import load_checkpoint
 from fsdpkit.checkpoint.save import FrozenShare, save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, DictState, capture_rng, flatten
@@ -325,7 +327,7 @@ def elastic(mesh, ckpt: Path, saved: dict | None) -> dict:
     return res
 
 
-def phase_hsdp(work: Path) -> dict:
+def phase_hsdp(work: Path, bucket: str | None) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     res, ckpt = save_and_check(mesh, work, "hsdp")
     if tdist.get_rank() == 0:  # for the noshard phase's elastic load
@@ -339,6 +341,41 @@ def phase_hsdp(work: Path) -> dict:
     save(source, work / "fs4" / "step_2", step=2)
     res["fs4_to_hsdp"] = elastic(mesh, work / "fs4" / "step_2", saved)
     res["frozen"] = frozen_base(mesh, work)
+    if bucket:
+        res["s3"] = s3_leg(mesh, bucket)
+    return res
+
+
+def s3_leg(mesh, bucket: str) -> dict:
+    """Save to moto's S3 server and load read-once: bitwise, and only the readers fetch bytes
+    (counted around s3fs's ranged reads, which the object-store reader fetches items with)."""
+    import s3fs
+
+    from fsdpkit.checkpoint.storage import open_storage
+
+    fetched = [0]
+    original = s3fs.S3FileSystem._cat_file
+
+    async def counted(self, path, *args, **kwargs):
+        data = await original(self, path, *args, **kwargs)
+        if str(path).endswith(".distcp"):  # not manifest.json, which every rank reads first
+            fetched[0] += len(data)
+        return data
+
+    s3fs.S3FileSystem._cat_file = counted
+    target, extra = build(mesh)
+    train(target)
+    seed_rank(100)
+    saved = full_state(target)
+    ckpt = open_storage(f"s3://{bucket}/hsdp") / "step_2"
+    save(target, ckpt, step=2)
+    scramble(target, extra)
+    fetched[0] = 0
+    res = load(target, ckpt)
+    res["fetched"] = everyone(fetched[0])
+    res["differ"] = everyone(compare(saved, full_state(target)))
+    files = read_manifest(ckpt)["files"]
+    res["data_bytes"] = sum(info["size"] for name, info in files.items() if name.endswith(".distcp"))
     return res
 
 
@@ -352,9 +389,10 @@ def phase_noshard(work: Path) -> dict:
 
 def main() -> None:
     phase, out, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    bucket = sys.argv[4] if len(sys.argv) > 4 else None
     dist.init_process_group(backend="gloo")
     install_counter()
-    res = phase_hsdp(work) if phase == "hsdp" else phase_noshard(work)
+    res = phase_hsdp(work, bucket) if phase == "hsdp" else phase_noshard(work)
     if tdist.get_rank() == 0:
         out.write_text(json.dumps(res))
     dist.shutdown()

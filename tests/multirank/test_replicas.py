@@ -18,13 +18,14 @@ WORKER = ROOT / "tests" / "multirank" / "replicas_worker.py"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, s3):
     out = tmp_path_factory.mktemp("replicas")
     work = out / "work"
     work.mkdir()
     res = {}
+    bucket = s3.new_bucket()
     for phase, nproc in (("hsdp", 4), ("noshard", 2)):
-        torchrun(nproc, WORKER, phase, str(out / f"{phase}.json"), str(work), timeout=400)
+        torchrun(nproc, WORKER, phase, str(out / f"{phase}.json"), str(work), bucket, timeout=400, env=s3.env)
         res[phase] = json.loads((out / f"{phase}.json").read_text())
     return res
 
@@ -114,3 +115,10 @@ def test_frozen_tensors_in_a_shared_directory_are_read_once_too(runs):
     data = {name: size for name, size in run["sizes"].items() if name.endswith(".distcp")}
     assert any(name.startswith(run["shared"][0] + "/") for name in data)
     assert {name: sum(n for f, _, n in items if f == name) for name in data} == data
+
+
+def test_on_object_storage_only_the_readers_fetch_and_each_byte_once(runs):
+    run = runs["hsdp"]["s3"]
+    assert run["errors"] == [None] * 4 and run["differ"] == [[]] * 4
+    assert run["fetched"][2] == 0 and run["fetched"][3] == 0  # the replicas fetched nothing
+    assert sum(run["fetched"]) == run["data_bytes"]  # the items' bytes, each once (the manifest read apart)
