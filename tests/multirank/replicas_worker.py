@@ -21,13 +21,16 @@ Rank 0 writes what every rank saw to OUT.json.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import random
 import shutil
+import struct
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -280,8 +283,30 @@ def rng_items(ckpt: Path) -> list[tuple[str, int, int]]:
             for index, info in read_dcp_metadata(ckpt).storage_data.items() if index.fqn.startswith("rng.")]
 
 
+def flip_tensor_bytes(ckpt: Path, victim: str) -> None:
+    """Flip 8 bytes in the middle of the values of the largest tensor item in `victim` (its torch.save
+    zip's data record, found with zipfile): bytes no header check sees, only the values' checksums."""
+    from fsdpkit.checkpoint.safe_io import read_dcp_metadata
+
+    items = [(info.offset, info.length) for info in read_dcp_metadata(ckpt).storage_data.values()
+             if Path(info.relative_path).name == victim]
+    offset, length = max(items, key=lambda item: item[1])
+    with open(ckpt / victim, "r+b") as f:
+        f.seek(offset)
+        raw = f.read(length)
+        archive = zipfile.ZipFile(io.BytesIO(raw))
+        record = archive.getinfo(next(n for n in archive.namelist() if "/data/" in n))
+        name_len, extra_len = struct.unpack("<HH", raw[record.header_offset + 26:record.header_offset + 30])
+        at = offset + record.header_offset + 30 + name_len + extra_len + record.file_size // 2
+        f.seek(at)
+        chunk = f.read(8)
+        f.seek(at)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
 def damaged_loads(mesh, ckpt: Path, reads: list[dict]) -> dict:
-    """A data file that reader 1 reads, truncated, then removed, and a crafted `.metadata`: every rank's error."""
+    """A data file that reader 1 reads, truncated, flipped, then removed, and a crafted `.metadata`: every
+    rank's error."""
     target, _ = build(mesh)
     victim = sorted(name for name in reads[1] if name.endswith(".distcp"))[0]
     path = ckpt / victim
@@ -293,6 +318,11 @@ def damaged_loads(mesh, ckpt: Path, reads: list[dict]) -> dict:
             f.truncate(path.stat().st_size // 2)
     tdist.barrier()
     res["truncated"] = load(target, ckpt)
+    if tdist.get_rank() == 0:
+        shutil.copyfile(keep, path)
+        flip_tensor_bytes(ckpt, victim)
+    tdist.barrier()
+    res["flipped"] = load(target, ckpt)
     if tdist.get_rank() == 0:
         path.unlink()
     tdist.barrier()

@@ -95,6 +95,18 @@ def test_elastic_resumes_into_and_out_of_replicas(runs, phase, tag):
     assert all(reads == {} for reads in run["reads"][len(run["reads"]) // 2:])  # replicate coordinate 1
 
 
+def test_flipped_bytes_on_the_reading_replica_fail_every_rank_alike(runs):
+    run = runs["hsdp"]["damaged"]["flipped"]
+    errors = run["errors"]
+    assert all(e is not None for e in errors) and len(set(errors)) == 1, errors
+    # a tensor's values: no reader sees it; the post-load checksums, which every rank computes over
+    # what it holds, received or read, find it and name the key (the file checksum pass, off in these
+    # loads, would have named the file before any load)
+    assert errors[0].startswith("CheckpointMismatchError: restored state differs from checkpoint"), errors[0]
+    assert "hash saved" in errors[0]
+    assert max(run["seconds"]) < 60
+
+
 def test_a_refused_metadata_fails_every_rank_before_anything_is_read(runs):
     run = runs["hsdp"]["damaged"]["refused"]
     errors = run["errors"]

@@ -195,12 +195,15 @@ def _read(state: dict[str, Any], reader: Any, *, read: Callable[..., None], repl
             return None  # another reader failed: its message is the one every rank raises
     if failure is not None:
         return failure
-    alike = {} if first or pg is None else {p: _pop(state, p) for p, v in _flat(state).items() if _alike(p, v)}
+    # The other readers load a copy of the tree without those leaves. A copy: get_state_dict's dicts
+    # may be the optimizer's own (optimizer.state[param]), which must keep its `step` whatever happens.
+    alike = {} if first or pg is None else {p: v for p, v in _flat(state).items() if _alike(p, v)}
+    into = _without(state, alike) if alike else state
     try:
-        read(state, group=pg, no_dist=pg is None)
+        read(into, group=pg, no_dist=pg is None)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         own = not isinstance(e, CheckpointException) or (tdist.get_rank(pg) if pg else 0) in e.failures
-        return _describe(e, reader, state=state, ckpt_dir=ckpt_dir, manifest=manifest, own=own)
+        return _describe(e, reader, state=into, ckpt_dir=ckpt_dir, manifest=manifest, own=own)
     if pg is not None:
         leaves = {p: v for p, v in _flat(state).items() if _alike(p, v)} if first else alike
         _, problems = _share(state, leaves, src=replication.readers[0], pg=pg, device=torch.device("cpu"))
@@ -214,10 +217,11 @@ def _alike(path: Path_, value: Any) -> bool:
     return path[0] != "rng" and not isinstance(value, DTensor)
 
 
-def _pop(tree: dict[Any, Any], path: Path_) -> Any:
-    for k in path[:-1]:
-        tree = tree[k]
-    return tree.pop(path[-1])
+def _without(tree: dict[Any, Any], leaves: dict[Path_, Any], path: Path_ = ()) -> dict[Any, Any]:
+    """A copy of the nested dicts of `tree` without the leaves at `leaves`' paths (the other
+    leaves are the same objects: a load into the copy is a load into `tree`'s tensors)."""
+    return {k: _without(v, leaves, (*path, k)) if isinstance(v, dict) else v for k, v in tree.items()
+            if (*path, k) not in leaves}
 
 
 def _select_rng(state: dict[str, Any], reader: Any, *, replication: Replication,
@@ -366,7 +370,7 @@ def _share(state: dict[str, Any], leaves: dict[Path_, Any], *, src: int, pg: tdi
     _send(list(received.values()), src=src, pg=pg, device=device)
     for path, t in received.items():
         if path in leaves and path[0] != "rng" and not isinstance(leaves[path], DTensor):
-            _set(state, path, t)  # a plain tensor taken out of `state` for the readers' hand-over goes back
+            _set(state, path, t)  # (the same tensor, received in place, unless it did not fit)
     for path, value in objects.items():
         _set(state, path, value)
     problems += [f"{_name(p)}: not sent" for p, v in leaves.items()
