@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
 from fsdpkit.checkpoint.io import safe_reader
 from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
+from fsdpkit.checkpoint.replicas import find_replication, load_replicated
 from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
@@ -200,7 +202,8 @@ def load_checkpoint(
     if manifest.get("state_dict_type", "sharded") == "full":
         rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
     else:
-        rng, tensors = _load_sharded(target, ckpt_dir, manifest, rank=rank, group=group, model_only=model_only)
+        rng, tensors = _load_sharded(target, ckpt_dir, manifest, rank=rank, group=group,
+                                     model_only=model_only)
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); "
                      "it keeps its fresh seed")
@@ -259,9 +262,37 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, 
                   group: tdist.ProcessGroup | None, model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """DCP load (resharding as needed) into the live model/optimizer through the safe reader (one
     load per directory: the checkpoint's, and each shared one it references); returns this rank's
-    RNG state and the Stateful pieces' tensors (by `state.<name>.<path>`)."""
+    RNG state and the Stateful pieces' tensors (by `state.<name>.<path>`).
+
+    Where the live state is replicated (HYBRID_SHARD, NO_SHARD: replicas.find_replication), one
+    replica group reads and sends the others what it read (replicas.py): each byte is read once."""
     state = target.tensor_state(rank=rank, model_only=model_only)
     reader = safe_reader(ckpt_dir)
+
+    def read(into: dict[str, Any], *, group: tdist.ProcessGroup | None, no_dist: bool = False) -> None:
+        parts = split_state(into, manifest, ckpt_dir)  # frozen tensors shared with other checkpoints (frozen.py)
+        try:
+            for directory, part in parts:
+                dcp.load(part, storage_reader=safe_reader(directory), planner=SafeLoadPlanner(),
+                         process_group=group, no_dist=no_dist)
+            dcp.load(into, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group, no_dist=no_dist)
+        finally:
+            merge_state(into, parts)
+
+    replication = find_replication(state, group=group)
+    if replication is not None:
+        rng = load_replicated(state, reader, read=read, replication=replication, group=group, ckpt_dir=ckpt_dir,
+                              manifest=manifest)
+    else:
+        rng = _load_every_rank(state, reader, read=read, rank=rank, group=group)
+    target.restore_tensors(state)
+    tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
+    return rng, tensors
+
+
+def _load_every_rank(state: dict[str, Any], reader: Any, *, read: Callable[..., None], rank: int,
+                     group: tdist.ProcessGroup | None) -> dict[str, Any] | None:
+    """Every rank reads its own part of the checkpoint (`read`); this rank's RNG state, if saved."""
     # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
     if "rng" in state:  # a rank the saving run did not have, or a generator it lacked (CUDA saved on a CPU host)
         saved = reader.read_metadata().state_dict_metadata
@@ -270,14 +301,8 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, 
             state["rng"][f"rank{rank}"] = rng
         else:
             del state["rng"]
-    parts = split_state(state, manifest, ckpt_dir)  # frozen tensors shared with other checkpoints (frozen.py)
-    for directory, part in parts:
-        dcp.load(part, storage_reader=safe_reader(directory), planner=SafeLoadPlanner(), process_group=group)
-    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group)
-    merge_state(state, parts)
-    target.restore_tensors(state)
-    tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
-    return (state["rng"][f"rank{rank}"] if "rng" in state else None), tensors
+    read(state, group=group)
+    return state["rng"][f"rank{rank}"] if "rng" in state else None
 
 
 def _check_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None) -> None:
