@@ -11,19 +11,15 @@ fixture again to pass it (see tests/multirank/test_format_fixture.py).
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_format_fixture import FP32_RTOL, tree_digest
+from test_format_fixture import FP32_RTOL, verify_and_resume
 
-from conftest import ROOT, torchrun
-from fsdpkit.cli.main import main as fsdpkit_main
+from conftest import ROOT
 
 pytestmark = pytest.mark.dist
 FIXTURE = ROOT / "tests" / "fixtures" / "ckpt_format3"
@@ -32,22 +28,7 @@ WORKER = ROOT / "tests" / "multirank" / "format3_fixture_worker.py"
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory) -> tuple[Path, dict, dict]:
-    before = tree_digest(FIXTURE)
-    tmp = tmp_path_factory.mktemp("format3")
-    copy = tmp / "ckpt_format3"
-    shutil.copytree(FIXTURE, copy)
-    expected = json.loads((copy / "expected.json").read_text())
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        step = copy / "checkpoints" / f"step_{expected['saved_step']}"
-        code = fsdpkit_main(["ckpt", "verify", "--tensors", str(step)])
-    (tmp / "work").mkdir()
-    torchrun(2, WORKER, str(copy), str(tmp / "report.json"), str(tmp / "work"))
-    report = json.loads((tmp / "report.json").read_text())
-    report["verify"] = {"returncode": code, "stdout": printed.getvalue()}
-    report["loaded_state"] = str(tmp / "work" / "loaded_state.safetensors")
-    assert tree_digest(FIXTURE) == before, "something wrote into tests/fixtures/ckpt_format3"
-    return copy, expected, report
+    return verify_and_resume(FIXTURE, WORKER, tmp_path_factory.mktemp("format3"), checkpoints="checkpoints")
 
 
 def test_the_fixture_is_the_format_it_claims():

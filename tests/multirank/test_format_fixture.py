@@ -42,24 +42,29 @@ def tree_digest(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture(scope="module")
-def resumed(tmp_path_factory) -> tuple[Path, dict, dict]:
-    """(the fixture's copy, expected.json, the worker's report); the fixture unchanged after both."""
-    before = tree_digest(FIXTURE)
-    tmp = tmp_path_factory.mktemp("format2")
-    copy = tmp / "ckpt_format2"
-    shutil.copytree(FIXTURE, copy)
+def verify_and_resume(fixture: Path, worker: Path, tmp: Path, *, checkpoints: str = "") -> tuple[Path, dict, dict]:
+    """Copy `fixture` into `tmp`, run `fsdpkit ckpt verify --tensors` on the copy's saved step (under
+    `checkpoints`, if given) and `worker` on 2 ranks: (the copy, expected.json, the worker's report
+    with `verify` and `loaded_state` added); the fixture unchanged after both."""
+    before = tree_digest(fixture)
+    copy = tmp / fixture.name
+    shutil.copytree(fixture, copy)
     expected = json.loads((copy / "expected.json").read_text())
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):  # `fsdpkit ckpt verify`, in this process (no interpreter start)
-        code = fsdpkit_main(["ckpt", "verify", "--tensors", str(copy / f"step_{expected['saved_step']}")])
+        code = fsdpkit_main(["ckpt", "verify", "--tensors", str(copy / checkpoints / f"step_{expected['saved_step']}")])
     (tmp / "work").mkdir()
-    torchrun(2, WORKER, str(copy), str(tmp / "report.json"), str(tmp / "work"))
+    torchrun(2, worker, str(copy), str(tmp / "report.json"), str(tmp / "work"))
     report = json.loads((tmp / "report.json").read_text())
     report["verify"] = {"returncode": code, "stdout": printed.getvalue()}
     report["loaded_state"] = str(tmp / "work" / "loaded_state.safetensors")
-    assert tree_digest(FIXTURE) == before, "something wrote into tests/fixtures/ckpt_format2"
+    assert tree_digest(fixture) == before, f"something wrote into {fixture}"
     return copy, expected, report
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory) -> tuple[Path, dict, dict]:
+    return verify_and_resume(FIXTURE, WORKER, tmp_path_factory.mktemp("format2"))
 
 
 def test_the_fixture_is_the_format_it_claims():

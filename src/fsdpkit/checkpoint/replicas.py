@@ -52,6 +52,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
 from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
+from fsdpkit.checkpoint.staging import tensors as tensors_in
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -90,7 +91,7 @@ def find_replication(state: dict[str, Any], *, group: tdist.ProcessGroup | None)
                 return None
             else:
                 replicated &= dims
-        elif isinstance(value, list | tuple) and any(isinstance(v, torch.Tensor) for v in _leaves(value)):
+        elif isinstance(value, list | tuple) and next(tensors_in(value), None) is not None:
             return None  # tensors inside a list: leaves this module does not send
     if mesh is None or len(replicated) != 1:
         return None
@@ -105,17 +106,6 @@ def find_replication(state: dict[str, Any], *, group: tdist.ProcessGroup | None)
     along = tuple(slice(None) if i == dim else c for i, c in enumerate(coordinate))
     return Replication(mesh=mesh, dim=dim, peers=tuple(mesh.mesh[along].tolist()),
                        readers=tuple(mesh.mesh.select(dim, 0).flatten().tolist()))
-
-
-def _leaves(tree: Any) -> Any:
-    if isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, list | tuple):
-        for v in tree:
-            yield from _leaves(v)
-    else:
-        yield tree
 
 
 def load_replicated(state: dict[str, Any], reader: Any, *, read: Callable[..., None], replication: Replication,
