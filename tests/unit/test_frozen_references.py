@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdpkit.checkpoint.errors import CheckpointCorruptError
+from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
 from fsdpkit.checkpoint.frozen import file_sets, frozen_keys, referenced, shared_root, sweep
 from fsdpkit.checkpoint.manifest import FORMAT, check_files_present, read_manifest, write_manifest
 from fsdpkit.checkpoint.state import CheckpointTarget
@@ -88,6 +88,12 @@ def test_retention_sweeps_only_this_runs_unreferenced_shared_directories(tmp_pat
     assert sweep(tmp_path, run_id=RUN, in_use=None) == [f"shared/{names['e']}"]
     left = sorted(p.name for p in (tmp_path / "shared").iterdir())
     assert left == sorted([*(names[k] for k in "abcd"), f"{'b' * 32}-step_1-0"])  # another run's: untouched
+    (tmp_path / "shared" / f"{RUN}-step_9-0").mkdir()
+    (tmp_path / "step_5").mkdir()
+    (tmp_path / "step_5" / "manifest.json").write_bytes(b'{"shared": [{"dir": "shar')  # unknown: nothing goes
+    with pytest.raises(CheckpointError, match="shared directories are kept"):
+        sweep(tmp_path, run_id=RUN, in_use=None)
+    assert (tmp_path / "shared" / f"{RUN}-step_9-0").is_dir()
 
 
 def test_frozen_means_no_gradient_and_not_in_the_optimizer():

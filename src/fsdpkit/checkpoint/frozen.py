@@ -29,6 +29,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.layout import ARCHIVE, MANIFEST, CkptPath
 from fsdpkit.checkpoint.storage import remove_tree
 
@@ -43,7 +44,7 @@ SHARED_DIR = re.compile(r"^shared/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a reference, 
 
 def frozen_keys(target: CheckpointTarget) -> list[str]:
     """DCP keys (`model.<fqn>`) of the parameters the run cannot change: `requires_grad=False`
-    and in none of the optimizer's param groups. None without an optimizer."""
+    and in none of the optimizer's param groups. None at all without an optimizer."""
     from torch.distributed.checkpoint.state_dict import _get_fqns  # the FQNs get_state_dict uses
 
     if target.optimizer is None:
@@ -122,7 +123,12 @@ def adoptable(ckpt_dir: CkptPath, manifest: dict[str, Any], root: CkptPath) -> S
 
 def referenced(root: CkptPath) -> set[str]:
     """Every `shared/<name>` that some manifest under `root` names: committed checkpoints, ones
-    moved aside and archived ones, sealed or not (a damaged manifest still protects what it names)."""
+    moved aside and archived ones, sealed or not (a damaged manifest still protects what it names).
+
+    Raises:
+        CheckpointError: a manifest that exists cannot be read or parsed: what it names is unknown,
+            so nothing may be removed.
+    """
     dirs = [p for p in root.iterdir() if p.is_dir() and p.name != SHARED] if root.is_dir() else []
     archive = root / ARCHIVE
     if archive.is_dir():
@@ -131,8 +137,11 @@ def referenced(root: CkptPath) -> set[str]:
     for path in dirs:
         try:
             manifest = json.loads((path / MANIFEST).read_bytes())
-        except (OSError, ValueError):
-            continue
+        except FileNotFoundError:
+            continue  # no manifest: references nothing
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"cannot read {path / MANIFEST} ({e}); shared directories are kept until every "
+                                  "manifest can be read") from e
         refs = manifest.get(SHARED) if isinstance(manifest, dict) else None
         for ref in refs if isinstance(refs, list) else []:
             if isinstance(ref, dict) and isinstance(ref.get("dir"), str):
