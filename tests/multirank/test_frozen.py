@@ -168,7 +168,10 @@ def test_on_object_storage_the_base_is_written_once_and_read_back(tmp_path):
         model.base.requires_grad_(False)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
+    import fsspec
+
     with s3_server() as server:
+        fsspec.get_filesystem_class("s3").clear_instance_cache()  # no s3fs of another server's endpoint
         bucket = server.new_bucket()
         url = f"s3://{bucket}/run"
         model, opt = build(0)
@@ -199,6 +202,7 @@ def test_on_object_storage_the_base_is_written_once_and_read_back(tmp_path):
         exported = load_file(tmp_path / "out.safetensors")
         for key, value in model.state_dict().items():
             assert torch.equal(exported[key], value), key
+        fsspec.get_filesystem_class("s3").clear_instance_cache()  # nor one of this server's, once it stops
 
 
 def test_inspect_names_the_shared_directory(run, capsys):
