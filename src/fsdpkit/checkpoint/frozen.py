@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -39,7 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("fsdpkit.checkpoint")
 
 SHARED = "shared"
-SHARED_DIR = re.compile(r"^shared/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a reference, relative to the checkpoints root
 
 
 def frozen_keys(target: CheckpointTarget) -> list[str]:
@@ -154,13 +152,15 @@ def sweep(root: CkptPath, *, run_id: str, in_use: str | None) -> list[str]:
     `root` references any more (superseded frozen tensors, or an interrupted first save), except
     `in_use`. Another run's are never touched. Returns what was removed."""
     shared = root / SHARED
-    if not shared.is_dir():
+    ours = [p for p in shared.iterdir() if p.name.startswith(f"{run_id}-") and f"{SHARED}/{p.name}" != in_use] \
+        if shared.is_dir() else []
+    if not ours:  # the usual case: no manifest needs reading
         return []
-    keep = referenced(root) | {in_use}
+    keep = referenced(root)
     removed = []
-    for path in shared.iterdir():
+    for path in ours:
         name = f"{SHARED}/{path.name}"
-        if path.name.startswith(f"{run_id}-") and name not in keep:
+        if name not in keep:
             remove_tree(path)
             removed.append(name)
     if removed:

@@ -30,6 +30,7 @@ from torch import nn
 
 from fsdpkit import __version__
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
+from fsdpkit.checkpoint.frozen import file_sets
 from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest_schema import manifest_problems
 from fsdpkit.checkpoint.storage import write_atomic
@@ -201,8 +202,6 @@ def read_manifest(ckpt_dir: Path) -> dict[str, Any]:
 def check_files_present(ckpt_dir: Path, manifest: dict[str, Any]) -> list[str]:
     """Cheap completeness check (existence and size of every listed file, the shared files it
     references included): problems, if any."""
-    from fsdpkit.checkpoint.frozen import file_sets
-
     problems = []
     for directory, files in file_sets(ckpt_dir, manifest):
         where = "" if directory == ckpt_dir else f"{directory}/"  # a shared file: named with its directory

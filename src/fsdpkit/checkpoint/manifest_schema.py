@@ -8,6 +8,7 @@ KeyError or TypeError deep inside a load.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -93,9 +94,10 @@ def hex_digest(v: Any) -> str | None:
     return None if ok else f"must be 16 lowercase hex digits, got {v!r:.40}"
 
 
-def shared_dir(v: Any) -> str | None:
-    from fsdpkit.checkpoint.frozen import SHARED_DIR
+SHARED_DIR = re.compile(r"^shared/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a reference to frozen tensors (frozen.py)
 
+
+def shared_dir(v: Any) -> str | None:
     return None if isinstance(v, str) and SHARED_DIR.match(v) else f"must be shared/<name>, got {v!r:.60}"
 
 
