@@ -60,9 +60,23 @@ _AT_RUN = ("TORCHELASTIC_", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
 
 
 def forkable(env: dict[str, str], base: dict[str, str]) -> bool:
-    """Whether a launch with `env` may fork from a zygote started with `base`."""
+    """Whether a launch with `env` may fork from a zygote started with `base`. The zygote's import of
+    torch._inductor.config sets TORCHINDUCTOR_CACHE_DIR to inductor's default where it was unset, as
+    the same import does in any process of the tests (the worker's too, after a test imported it):
+    that value is the zygote's own."""
     keys = {k for k in env.keys() | base.keys() if k.startswith(_AT_START) and not k.startswith(_AT_RUN)}
-    return all(env.get(k) == base.get(k) for k in keys)
+    return all(env.get(k) == base.get(k) or (k == _INDUCTOR_CACHE and _inductor_default(env.get(k), base.get(k)))
+               for k in keys)
+
+
+_INDUCTOR_CACHE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def _inductor_default(a: str | None, b: str | None) -> bool:
+    """One of the two values is unset and the other is inductor's default cache directory."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return {a, b} == {None, default_cache_dir()}
 
 
 class Zygote:

@@ -178,3 +178,13 @@ def test_a_launch_handed_more_descriptors_gets_a_fresh_interpreter_that_has_them
     (tmp_path / "outer.py").write_text(script)
     done = run_python(str(tmp_path / "outer.py"), str(tmp_path / "inner.py"), cwd=tmp_path, timeout=120)
     assert (done.returncode, done.stdout) == (0, "False\n"), done
+
+
+def test_inductors_own_default_cache_dir_is_the_zygotes_own():
+    """torch._inductor.config sets TORCHINDUCTOR_CACHE_DIR to its default where it is unset, in the
+    zygote and in a worker that imported it: that value does not need a fresh interpreter; another does."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    base = {k: v for k, v in zygote.get().env.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    assert zygote.forkable({**base, "TORCHINDUCTOR_CACHE_DIR": default_cache_dir()}, base)
+    assert not zygote.forkable({**base, "TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}, base)
