@@ -20,7 +20,7 @@ metadata, fsdpkit's commit, manifest and resolution); the gathers are rank 0 unp
 payloads. Left out: the network latency and bandwidth of the gathers (bytes are reported),
 storage latency, the other ranks' planning (parallel on a cluster), stragglers.
 
-Usage: python bench/coordinator.py [--quick] [--ranks 2,4,8,16] [--sim 256,1024,4096] [--repeats 5]
+Usage: python bench/coordinator.py [--quick] [--ranks 2,4,8,16] [--sim 256,1024,4096] [--repeats 5] [--sim-repeats N]
 Writes bench/results/coordinator.json (markdown included; results_md.py quotes it as B9).
 """
 
@@ -95,6 +95,8 @@ def main() -> None:
     p.add_argument("--sim", default="256,1024,4096")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per launch")
+    p.add_argument("--sim-repeats", type=int, help="saves and resumes per method in a simulation (default: "
+                   "repeats // 2 + 1, at least 2; 1 runs DCP once and fsdpkit's first and one cached save)")
     p.add_argument("--note", default="2-core VM shared with other jobs, every process at nice 19: absolute "
                                      "times are inflated and noisy; compare fsdpkit with DCP within a row")
     args = p.parse_args()
@@ -112,7 +114,8 @@ def main() -> None:
     for world in map(int, filter(None, args.sim.split(","))):
         t0 = time.monotonic()
         try:
-            data["sim"].append(simulated(world, repeats=max(2, args.repeats // 2 + 1), timeout_s=args.timeout))
+            data["sim"].append(simulated(world, repeats=args.sim_repeats or max(2, args.repeats // 2 + 1),
+                                         timeout_s=args.timeout))
         except (subprocess.CalledProcessError, subprocess.TimeoutExpired) as e:
             data["failures"].append(f"{world} simulated ranks: {e}")
         print(f"B9: {world} simulated ranks in {time.monotonic() - t0:.0f} s", flush=True)
