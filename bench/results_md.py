@@ -31,6 +31,8 @@ BENCHES = (  # (json, title, script)
     ("coordinator.json", "B9: the coordinator's cost at 2-16 real and 256-4,096 simulated ranks",
      "bench/coordinator.py"),
     ("frozen.json", "B10: frozen weights written once (a 1 GiB frozen base, 2 ranks)", "bench/frozen.py"),
+    ("checksum_read.json", "File checksums: the page-cache reader's renewed descriptor against one descriptor",
+     "bench/checksum_read.py"),
 )
 
 
