@@ -28,7 +28,7 @@ BENCHES = (  # (json, title, script)
     ("s3.json", "Checkpoints on object storage (loopback S3 server)", "bench/s3.py"),
     ("gil.json", "A save's row checksums beside a training thread (GIL)", "bench/gil.py"),
     ("hf_load.json", "Training from a Hugging Face folder: launch to first step, peak RSS", "bench/hf_load.py"),
-    ("coordinator.json", "B9: the coordinator's cost at 2-16 real and 256-4,096 simulated ranks",
+    ("coordinator.json", "B9: the coordinator's cost at real and simulated ranks",
      "bench/coordinator.py"),
     ("frozen.json", "B10: frozen weights written once (a 1 GiB frozen base, 2 ranks)", "bench/frozen.py"),
     ("checksum_read.json", "File checksums: the page-cache reader's renewed descriptor against one descriptor",
