@@ -29,6 +29,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from export_ceilings import evict
 from fsdpkit import tunables
 from fsdpkit.checkpoint.hashing import file_checksum
 
@@ -49,16 +50,6 @@ def make_files(root: Path, *, n: int, mib: int) -> list[Path]:
             os.fsync(f.fileno())
         paths.append(path)
     return paths
-
-
-def evict(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def timed_checksums(paths: list[Path], restart: int) -> tuple[float, list[str]]:
@@ -100,7 +91,8 @@ def main() -> None:
         for run in range(args.runs):
             order = list(MODES) if run % 2 == 0 else list(MODES)[::-1]
             for mode in order:
-                evict(paths)
+                for path in paths:
+                    evict(path)
                 time.sleep(args.idle)
                 seconds, got = timed_checksums(paths, MODES[mode])
                 if digests.setdefault(mode, got) != got or got != next(iter(digests.values())):
