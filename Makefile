@@ -39,7 +39,7 @@ docs-serve: $(STAMP)
 multinode: $(STAMP)
 	$(BIN)/python -m pytest tests/multinode -m multinode -v -s
 
-# About 70 min on a 2-core VM (checkpoint.py ~25-30 of it, coordinator.py ~20, hf_load.py ~10); writes bench/RESULTS.md
+# About 95 min on a 2-core VM (checkpoint.py 30-45 of it, coordinator.py ~20, hf_load.py ~10); writes bench/RESULTS.md
 # (commit it). A failing benchmark does not stop the others; the summary says which did not run. B9 runs here at
 # 2-8 real and 16-64 simulated ranks; 256 and more simulated ranks take hours (bench/RESULTS-coordinator.md, by hand).
 bench: $(STAMP)
