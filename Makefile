@@ -54,6 +54,7 @@ bench: $(STAMP)
 	-$(BIN)/python bench/coordinator.py --ranks 2,4,8 --sim 16,64 --note "make bench on this machine, nothing else meant to run"
 	-$(BIN)/python bench/frozen.py
 	-$(BIN)/python bench/checksum_read.py
+	-$(BIN)/python bench/metadata_read.py
 	$(BIN)/python bench/results_md.py --since $$(cat bench/.bench_started)
 
 # The CUDA/NCCL paths on one GPU (skipped, with the reason, without CUDA; CI has none), and the GPU

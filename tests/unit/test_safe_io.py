@@ -7,6 +7,7 @@ No process group is needed: DCP saves and loads in one process with no_dist=True
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import pickle
@@ -26,7 +27,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
     Metadata,
+    TensorProperties,
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -351,3 +354,54 @@ def test_damaged_metadata_is_corrupt(genuine, tmp_path, damage):
 def test_missing_metadata_names_the_path(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / ".metadata").replace(".", r"\.")):
         read_dcp_metadata(tmp_path)
+
+
+def _many_chunks_metadata(chunks: int) -> bytes:
+    sizes = torch.Size([1, 4])
+    meta = TensorStorageMetadata(
+        TensorProperties(dtype=torch.float32),
+        torch.Size([chunks, 4]),
+        [ChunkStorageMetadata(offsets=torch.Size([r, 0]), sizes=sizes) for r in range(chunks)],
+    )
+    return pickle.dumps(Metadata(state_dict_metadata={"w": meta}))
+
+
+def test_metadata_unpickle_pauses_the_collector_and_restores_it():
+    """No collection runs inside the unpickle (the plain unpickler, the control, triggers several with
+    the same thresholds); the collector is left as found: on, off, and on after a refused file."""
+    data = _many_chunks_metadata(20_000)
+    started: list[int] = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100, 10, 10)
+    gc.callbacks.append(count)
+    try:
+        SafeUnpickler(io.BytesIO(data), source="control").load()
+        control = len(started)
+        started.clear()
+        stream = io.BytesIO(data)
+        started.clear()
+        loaded = unpickle_dcp_metadata(stream, source="paused")
+        paused = len(started)
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*thresholds)
+    # At most one: the allocations before the pause begins (its own context manager) may trigger one.
+    assert control > 10 and paused <= 1, (control, paused)
+    assert len(loaded.state_dict_metadata["w"].chunks) == 20_000
+    assert gc.isenabled()
+
+    gc.disable()
+    try:
+        unpickle_dcp_metadata(io.BytesIO(data), source="off")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    crafted = b"cposix\nsystem\n(S'true'\ntR."
+    with pytest.raises(UnsafeCheckpointError):
+        unpickle_dcp_metadata(io.BytesIO(crafted), source="crafted")
+    assert gc.isenabled()
