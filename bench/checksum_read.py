@@ -20,7 +20,6 @@ Writes bench/results/checksum_read.json (markdown included; results_md.py quotes
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -32,6 +31,7 @@ from pathlib import Path
 from export_ceilings import evict
 from fsdpkit import tunables
 from fsdpkit.checkpoint.hashing import file_checksum
+from results_md import publish
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "checksum_read.json"
@@ -103,9 +103,7 @@ def main() -> None:
         data = {"mib": args.mib, "runs": args.runs, "idle_s": args.idle, "times": times,
                 "dir_fs": " ".join(fs[:2]) if fs else "?"}
         data["markdown"] = render(data)
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(data, indent=1))
-        print(data["markdown"])
+        publish(RESULTS, data)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import pickle
 import shutil
 import statistics
@@ -43,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeFileSystemReader, SafeUnpickler
+from results_md import publish
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results" / "metadata_read.json"
@@ -137,9 +137,7 @@ def main() -> None:
                   flush=True)
         del held
         data["markdown"] = render(data)
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(data, indent=1))
-        print(data["markdown"])
+        publish(RESULTS, data)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -39,6 +39,14 @@ BENCHES = (  # (json, title, script)
 )
 
 
+def publish(path: Path, data: dict) -> None:
+    """A benchmark's last step: its JSON (with its markdown report, which render() quotes) written, the report
+    printed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    print(data["markdown"])
+
+
 def _git(*args: str) -> str:
     return subprocess.run(["git", "-C", str(HERE), *args], capture_output=True, text=True).stdout.strip()
 
