@@ -195,10 +195,11 @@ def _gc_paused() -> Iterator[None]:
 
     Why: a cluster-sized `.metadata` unpickles into millions of small objects that all survive, and
     the collector's allocation-triggered passes keep traversing them: a 22 MiB file (1,024 ranks)
-    reads in 3.6-4.1 s with the collector on and 1.6-1.8 s paused (bench/metadata_read.py, two runs). In a process
-    that already holds many objects the cost is a lottery: in B9 at 1,024 simulated ranks the same
-    file took 32.6 s in one read and 0.96 s in another (bench/RESULTS-coordinator.md). Unpickling
-    makes no garbage, so nothing is left uncollected; a collector that was off stays off.
+    reads in 3.6-4.1 s with the collector on and 1.6-1.8 s paused (bench/metadata_read.py, two
+    runs). In a process that already holds many objects the cost is a lottery: in B9 at 1,024
+    simulated ranks the same file took 32.6 s in one read and 0.96 s in another
+    (bench/RESULTS-coordinator.md). A genuine file makes no garbage; whatever a refused or garbled
+    one leaves behind is collected once the collector runs again. A collector that was off stays off.
     """
     was_enabled = gc.isenabled()
     gc.disable()
