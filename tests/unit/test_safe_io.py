@@ -382,7 +382,6 @@ def test_metadata_unpickle_pauses_the_collector_and_restores_it():
     try:
         SafeUnpickler(io.BytesIO(data), source="control").load()
         control = len(started)
-        started.clear()
         stream = io.BytesIO(data)
         started.clear()
         loaded = unpickle_dcp_metadata(stream, source="paused")
