@@ -125,6 +125,20 @@ def _start(cmd: list[str], *, env: dict, cwd: Path, stdout: Path, stderr: Path) 
     return _Process(popen.pid, popen)
 
 
+class LaunchTimedOut(subprocess.TimeoutExpired):
+    """A launch of run_python that ran past its timeout: its message shows what it printed and, for a
+    forked launch, the zygote's processes as they were at the timeout, before the kill."""
+
+    def __init__(self, cmd, timeout, *, output: str, stderr: str, processes: str) -> None:
+        super().__init__(cmd, timeout, output=output, stderr=stderr)
+        self.processes = processes
+
+    def __str__(self) -> str:
+        text = (f"{super().__str__()}\n--- stdout (end) ---\n{self.output[-3000:]}\n"
+                f"--- stderr (end) ---\n{self.stderr[-3000:]}")
+        return text + (f"\n--- the zygote's processes ---\n{self.processes}" if self.processes else "")
+
+
 def run_python(*argv: str, env: dict | None = None, timeout: float = 600,
                cwd: Path | None = None) -> subprocess.CompletedProcess:
     """`python ARGV` (SCRIPT ARGS or -m MODULE ARGS) with OMP_NUM_THREADS=1 and `env` on top of this
@@ -141,10 +155,11 @@ def run_python(*argv: str, env: dict | None = None, timeout: float = 600,
         while proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         if proc.returncode is None:
+            processes = zygote.process_report() if proc._popen is None else ""
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-            raise subprocess.TimeoutExpired(cmd, timeout, output=out.read_text(errors="replace"),
-                                            stderr=err.read_text(errors="replace"))
+            raise LaunchTimedOut(cmd, timeout, output=out.read_text(errors="replace"),
+                                 stderr=err.read_text(errors="replace"), processes=processes)
         return subprocess.CompletedProcess(cmd, proc.returncode, out.read_text(errors="replace"),
                                            err.read_text(errors="replace"))
 

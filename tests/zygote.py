@@ -108,7 +108,8 @@ class Zygote:
                           "stderr": str(stderr)})["pid"]
 
     def poll(self, pid: int) -> int | None:
-        """None while `pid` runs, then its exit code (negative: the signal that killed it)."""
+        """None while `pid` runs, then its exit code (negative: the signal that killed it), once: the
+        zygote reaps it then, and a later poll of that pid is an error."""
         return self._ask({"op": "poll", "pid": pid})["code"]
 
     def close(self) -> None:
@@ -133,6 +134,39 @@ def get() -> Zygote:
     return _zygote
 
 
+def process_report() -> str:
+    """The processes descended from this worker's zygote (a launch hung: where is each one waiting?):
+    pid, parent, state, the kernel function it waits in, its pending, blocked, ignored and caught
+    signals (hex masks, bit N-1 for signal N), and command line. A fork's command line is the zygote's."""
+    if _zygote is None:
+        return ""
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    family, lines = [_zygote._proc.pid], []
+    for pid in family:  # grows as children are found, breadth first
+        family.extend(child for child, parent in parents.items() if parent == pid)
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                fields = dict(line.split(":\t", 1) for line in f.read().splitlines() if ":\t" in line)
+            with open(f"/proc/{pid}/wchan") as f:
+                wchan = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:
+            continue
+        signals = " ".join(f"{name}={fields.get(key, '?')[-8:]}" for key, name in (
+            ("SigPnd", "pending"), ("SigBlk", "blocked"), ("SigIgn", "ignored"), ("SigCgt", "caught")))
+        lines.append(f"{pid} parent {parents.get(pid)} {fields.get('State', '?')} in {wchan or '-'}; {signals}; "
+                     f"{cmdline[:200]}")
+    return "\n".join(lines)
+
+
 # --- the zygote process ---------------------------------------------------------------------------
 
 # A forked child's own launches of `sys.executable` (the ranks that torch's elastic agent starts for
@@ -149,7 +183,6 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, sign
 class _Server:
     def __init__(self, base: dict[str, str]) -> None:
         self.base = base  # the environment before the imports (torch._inductor.config sets a variable)
-        self.finished: dict[int, int] = {}  # the worker's launches, reaped on its polls
         self.pending = b""
         self.dir = tempfile.mkdtemp(prefix="zygote-")
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -198,12 +231,11 @@ class _Server:
     def _answer(self, request: dict) -> dict:
         if request["op"] == "spawn":
             return {"pid": self._fork(request, stdio=None)}
-        pid = request["pid"]
-        if pid not in self.finished:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                self.finished[pid] = os.waitstatus_to_exitcode(status)
-        return {"code": self.finished.get(pid)}
+        # Reaped when first seen finished, and forgotten: the worker keeps the code (conftest._Process),
+        # and a remembered pid would answer for a later launch that the kernel gave the same pid (pid_max
+        # is 32768 here, and a suite starts more processes than that).
+        done, status = os.waitpid(request["pid"], os.WNOHANG)
+        return {"code": os.waitstatus_to_exitcode(status) if done else None}
 
     def _accept(self, _key) -> None:
         conn, _ = self.listener.accept()

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zygote  # noqa: E402
-from conftest import ROOT, _start, run_python  # noqa: E402
+from conftest import ROOT, LaunchTimedOut, _start, run_python  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not zygote.AVAILABLE, reason="the test zygote forks and reads /proc: Linux only")
 
@@ -65,6 +65,23 @@ def test_a_killed_launch_reports_the_signal_and_leads_its_own_session(tmp_path):
         time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL
+
+
+def test_a_launch_past_its_timeout_is_killed_and_reported_with_the_zygotes_processes(tmp_path):
+    script = tmp_path / "stuck.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    with pytest.raises(LaunchTimedOut) as timed_out:
+        run_python(str(script), cwd=tmp_path, timeout=1)
+    report = str(timed_out.value).split("--- the zygote's processes ---\n")[1].splitlines()
+    forks = [line for line in report if f" parent {zygote.get()._proc.pid} " in line]
+    assert len(forks) == 1 and "caught=" in forks[0] and "zygote.py --serve" in forks[0], report
+    pid = int(forks[0].split()[0])
+    assert not os.path.exists(f"/proc/{pid}") or _state(pid) == "Z", "the launch outlived its timeout"
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(") ", 1)[1][0]
 
 
 @pytest.mark.parametrize("variable", ["FAULTS_SPEC", "PYTHONPATH", "OMP_NUM_THREADS", "TORCH_LOGS"])
