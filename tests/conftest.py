@@ -20,6 +20,15 @@ import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A background job of a non-interactive shell (`make test &` in a script) starts with SIGINT and SIGQUIT
+# ignored, and an ignored signal stays ignored through fork and exec: every launch of the suite would
+# then ignore the SIGINT a test sends it and run on (test_zygote's "wait" case hung 120 s in each such
+# run, forked or fresh). Launches start as they would from a terminal: both signals at their defaults.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
 
 def pytest_collection_modifyitems(config, items) -> None:
     """The files that launch ranks or the CLI (marked dist or e2e: most of the suite's time, a few tests

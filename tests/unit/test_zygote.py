@@ -67,6 +67,17 @@ def test_a_killed_launch_reports_the_signal_and_leads_its_own_session(tmp_path):
     assert proc.wait() == -signal.SIGKILL
 
 
+def test_launches_take_sigint_and_sigquit_at_their_defaults_however_the_suite_was_started(tmp_path):
+    """As from a terminal, even when `make test` ran as a background job of a script, which ignores
+    both (tests/conftest.py): forked, and fresh from this worker."""
+    probe = ("import signal\nprint(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+             "signal.getsignal(signal.SIGQUIT) is signal.SIG_DFL)\n")
+    (tmp_path / "probe.py").write_text(probe)
+    forked = run_python(str(tmp_path / "probe.py"), cwd=tmp_path)
+    fresh = _fresh(str(tmp_path / "probe.py"), cwd=tmp_path)
+    assert forked.stdout == fresh.stdout == "True True\n", (forked, fresh)
+
+
 def test_a_launch_past_its_timeout_is_killed_and_reported_with_the_zygotes_processes(tmp_path):
     script = tmp_path / "stuck.py"
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
