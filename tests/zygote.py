@@ -89,8 +89,10 @@ class Zygote:
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=self.env,
                                       cwd=ROOT, start_new_session=True)
         ready = self._proc.stdout.readline()
-        if json.loads(ready or "{}").get("ready") is not True:
+        answer = json.loads(ready or "{}")
+        if answer.get("ready") is not True:
             raise RuntimeError(f"the test zygote did not start: {ready!r}")
+        self.shim: str = answer["shim"]  # a forked child's sys.executable (see shim below)
 
     def _ask(self, request: dict) -> dict:
         with self._lock:
@@ -132,6 +134,15 @@ def get() -> Zygote:
         _zygote = Zygote({**os.environ, "OMP_NUM_THREADS": "1"})
         atexit.register(_zygote.close)
     return _zygote
+
+
+def executable() -> str:
+    """A `sys.executable` for a test's in-process code that launches Python itself (the checks of
+    fsdpkit.cli.resume_check start `fsdpkit train` launchers): the zygote's shim, so that those
+    launches and their ranks fork too, where the zygote is available; the interpreter elsewhere. The
+    launch's environment must be forkable (OMP_NUM_THREADS=1, as every launch of the suite), or the
+    shim starts a fresh interpreter."""
+    return get().shim if AVAILABLE else sys.executable
 
 
 def process_report() -> str:
@@ -315,7 +326,7 @@ def serve() -> None:
     if threads != 1 or threading.active_count() != 1:
         raise SystemExit(f"test zygote: {threads} threads after importing {PRELOAD}; forking would be unsafe")
     server = _Server(base)
-    _reply({"ready": True})
+    _reply({"ready": True, "shim": server.shim})
     server.loop()
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import zygote  # noqa: E402
 from faults import env as faults_env  # noqa: E402
 from faults import fired, skip_restore  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
@@ -37,6 +38,9 @@ def test_passes_when_resume_is_seamless_and_fails_when_checkpoints_are_gone_or_s
       losses within tolerance, and only the records can tell that it did not resume."""
     from fsdpkit.cli.resume_check import resume_check
 
+    # its five `fsdpkit train` launchers and their ranks fork from the zygote, as the CLI's do (run_python)
+    monkeypatch.setattr(sys, "executable", zygote.executable())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     marker = tmp_path / "faults.jsonl"
     skipping = faults_env(skip_restore("scheduler"), marker=marker)
 
