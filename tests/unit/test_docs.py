@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import zygote  # noqa: E402
 from fsdpkit import tunables
 from fsdpkit.config.docs import iter_options
 
@@ -29,6 +31,7 @@ DOCS = ROOT / "docs"
 RUNNABLE = re.compile(r"^<!-- runnable -->\n```(bash|python)[^\n]*\n(.*?)^```", re.M | re.S)
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
        "NO_MKDOCS_2_WARNING": "1", "OMP_NUM_THREADS": "1"}
+SNIPPET_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _hooks():
@@ -128,13 +131,14 @@ def test_the_runnable_snippets_are_where_the_docs_say():
 
 @pytest.mark.parametrize("page", sorted(_runnable_pages()))
 def test_runnable_snippets(page, tmp_path):
+    python = zygote.executable()  # the snippets' Python launches fork from the zygote (fsdpkit is installed)
     for number, (language, code) in enumerate(_runnable_pages()[page], 1):
         if language == "bash":
-            script = f'set -euo pipefail\nfsdpkit() {{ "{sys.executable}" -m fsdpkit "$@"; }}\n{code}'
+            script = f'set -euo pipefail\nfsdpkit() {{ "{python}" -m fsdpkit "$@"; }}\n{code}'
             cmd = ["bash", "-c", script]
         else:
             (tmp_path / f"snippet{number}.py").write_text(code)
-            cmd = [sys.executable, f"snippet{number}.py"]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=120)
+            cmd = [python, f"snippet{number}.py"]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=SNIPPET_ENV, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, (f"{page}: runnable snippet {number} ({language}) failed "
                                       f"({proc.returncode}):\n{code}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
