@@ -41,7 +41,7 @@ def first_batch(cfg) -> torch.Tensor:
     data, _ = build_datasets(cfg.data, vocab_size=512, seed=cfg.seed)
     sampler = GlobalSampler(num_samples=len(data), global_batch_size=cfg.train.global_batch_size, seed=cfg.seed,
                             shuffle=cfg.data.shuffle, fingerprint=getattr(data, "fingerprint", ""))
-    inputs, targets = data.labeled_batch(sampler.next_global_batch())
+    inputs, targets, _ = data.labeled_batch(sampler.next_global_batch())
     return torch.cat([inputs, targets[:, -1:]], dim=1)
 
 

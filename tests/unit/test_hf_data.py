@@ -16,7 +16,7 @@ from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.data import GlobalSampler, build_datasets  # noqa: E402
 from fsdpkit.data.token_cache import TokenizeSpec, cache_key  # noqa: E402
 from fsdpkit.data.tokenizer import check_vocab, load_tokenizer, tokenizer_fingerprint  # noqa: E402
-from fsdpkit.train.loop import masked_loss_sum  # noqa: E402
+from fsdpkit.train.loss import masked_loss_terms  # noqa: E402
 
 EOS = "<|endoftext|>"
 
@@ -41,10 +41,10 @@ def tok(hf_tokenizer_dir):
     return load_tokenizer(str(hf_tokenizer_dir))
 
 
-def test_packed_samples_decode_back_to_the_documents(tmp_path, hf_tokenizer_dir, tok):
+def test_concatenated_samples_decode_back_to_the_documents(tmp_path, hf_tokenizer_dir, tok):
     docs = [r["text"] for r in _rows("text.jsonl", 12)]
     train, val = _data(tmp_path, hf_tokenizer_dir, [_write(tmp_path / "docs.jsonl", [{"text": d} for d in docs])],
-                       "data.seq_len=16", "data.val_fraction=0.25")
+                       "data.packing=concat", "data.seq_len=16", "data.val_fraction=0.25")
     assert train.report.documents == 9 and val.report.documents == 3  # the last quarter is held out
     tokens = train.batch(list(range(len(train))))  # [N, 17]: windows overlap by one token
     stream = torch.cat([tokens[:, :-1].flatten(), tokens[-1:, -1]])
@@ -53,9 +53,76 @@ def test_packed_samples_decode_back_to_the_documents(tmp_path, hf_tokenizer_dir,
     assert text == joined[: len(text)] and len(joined) - len(text) < 17 * 16  # all but a last partial window
     val_text = tok.decode(val.batch([0])[0].tolist())
     assert val_text == "".join(d + EOS for d in docs[9:])[: len(val_text)]
-    inputs, targets = train.labeled_batch([0, 1])
-    assert (targets == tokens[:2, 1:]).all() and (inputs == tokens[:2, :-1]).all()
+    inputs, targets, positions = train.labeled_batch([0, 1])
+    assert (targets == tokens[:2, 1:]).all() and (inputs == tokens[:2, :-1]).all() and positions is None
     assert train.target_count([0, 1]) == 2 * 16
+
+
+def _documents_of(batch) -> list[tuple[list[int], list[int]]]:
+    """(inputs, targets) of each document of each row of a Batch, cut where the positions restart,
+    the padding (no trained target) left out."""
+    out = []
+    for inputs, targets, positions in zip(*batch, strict=True):
+        starts = (positions == 0).nonzero().flatten().tolist() + [len(positions)]
+        for a, b in zip(starts, starts[1:], strict=False):
+            assert positions[a:b].tolist() == list(range(b - a))  # positions restart at 0 and count up
+            if (targets[a:b] != -100).any():
+                out.append((inputs[a:b].tolist(), targets[a:b].tolist()))
+    return out
+
+
+def test_packing_keeps_every_document_whole_and_apart(tmp_path, hf_tokenizer_dir, tok):
+    docs = [r["text"] for r in _rows("text.jsonl", 40)]
+    path = _write(tmp_path / "docs.jsonl", [{"text": d} for d in docs])
+    train, _ = _data(tmp_path, hf_tokenizer_dir, [path], "data.seq_len=64", "data.val_fraction=0.25",
+                     "data.overlong=split")
+    encoded = [tok(d + EOS, add_special_tokens=False)["input_ids"] for d in docs[:30]]
+    rows = list(range(len(train)))
+    batch = train.labeled_batch(rows)
+    assert batch.inputs.shape == batch.targets.shape == batch.positions.shape == (len(train), 64)
+    got = _documents_of(batch)
+    # every document once, whole: a short one as one piece, a long one as consecutive windows of 64 targets
+    expected = []
+    for ids in encoded:
+        for a in range(0, len(ids) - 1, 64):
+            piece = ids[a : a + 65]
+            expected.append((piece[:-1], piece[1:]))
+    assert sorted(got) == sorted(expected)
+    assert train.report.split == sum(len(ids) > 65 for ids in encoded) > 0
+    assert train.target_count(rows) == int((batch.targets != -100).sum()) == sum(len(ids) - 1 for ids in encoded)
+    assert train.report.samples == len(train) < len(expected)  # several documents per sample
+    padding = float((batch.targets == -100).float().mean())
+    assert padding == pytest.approx(train.report.padding) and padding < 0.15
+    # the same samples every time they are built (any rank, any world size), and in any order of reading
+    again, _ = _data(tmp_path, hf_tokenizer_dir, [path], "data.seq_len=64", "data.val_fraction=0.25",
+                     "data.overlong=split")
+    assert all(torch.equal(a, b) for a, b in zip(again.labeled_batch(rows[::-1]), train.labeled_batch(rows[::-1]),
+                                                  strict=True))
+    # overlong documents cut to one window, or left out, are counted; nothing else is lost
+    cut, _ = _data(tmp_path, hf_tokenizer_dir, [path], "data.seq_len=64", "data.val_fraction=0.25")
+    dropped, _ = _data(tmp_path, hf_tokenizer_dir, [path], "data.seq_len=64", "data.val_fraction=0.25",
+                       "data.overlong=drop")
+    long = sum(len(ids) > 65 for ids in encoded)
+    assert (cut.report.truncated, dropped.report.dropped) == (long, long)
+    assert cut.report.trained_tokens == sum(min(len(ids), 65) - 1 for ids in encoded)
+    assert dropped.report.trained_tokens == sum(len(ids) - 1 for ids in encoded if len(ids) <= 65)
+    assert sorted(_documents_of(dropped.labeled_batch(list(range(len(dropped)))))) == sorted(
+        (ids[:-1], ids[1:]) for ids in encoded if len(ids) <= 65)
+
+
+def test_packed_chat_trains_on_the_assistant_replies_only(tmp_path, hf_tokenizer_dir, tok):
+    convs = _rows("chat.jsonl", 12)
+    convs.insert(3, {"messages": [{"role": "user", "content": "no reply to this one"}]})  # nothing to train
+    train, _ = _data(tmp_path, hf_tokenizer_dir, [_write(tmp_path / "chat.jsonl", convs)],
+                     "data.messages_field=messages", "data.seq_len=256", "data.val_fraction=0.1",
+                     "data.overlong=drop")
+    assert train.report.untrained == 1  # counted and left out
+    batch = train.labeled_batch(list(range(len(train))))
+    replies = sorted(tok.decode([t for t in targets if t != -100]) for _, targets in _documents_of(batch))
+    expected = sorted("".join(m["content"] + "<|end|>\n" for m in c["messages"] if m["role"] == "assistant")
+                      for c in convs[:12] if any(m["role"] == "assistant" for m in c["messages"]))
+    assert train.report.documents == 12 and train.report.dropped == 0 and replies == expected and len(expected) == 11
+    assert train.target_count(list(range(len(train)))) == int((batch.targets != -100).sum())
 
 
 def test_chat_targets_are_the_assistant_replies_only(tmp_path, hf_tokenizer_dir, tok):
@@ -64,7 +131,7 @@ def test_chat_targets_are_the_assistant_replies_only(tmp_path, hf_tokenizer_dir,
                      "data.messages_field=messages",
                      "data.packing=false", "data.seq_len=128", "data.val_fraction=0.25")
     assert len(train) == 3
-    _, targets = train.labeled_batch([0, 1, 2])
+    targets = train.labeled_batch([0, 1, 2]).targets
     for row, conv in zip(targets, convs, strict=False):
         trained = row[row != -100].tolist()
         replies = "".join(m["content"] + "<|end|>\n" for m in conv["messages"] if m["role"] == "assistant")
@@ -125,7 +192,13 @@ def test_masked_sft_loss_equals_a_hand_computed_reference(tmp_path, hf_tokenizer
     reference = total / count
 
     with torch.no_grad():  # as the trainer does: summed per micro-batch, divided by the global count
-        summed = sum(float(masked_loss_sum(model, *train.labeled_batch([i]))) for i in (0, 1))
+        summed = sum(float(masked_loss_terms(model, train.labeled_batch([i])).ce_sum) for i in (0, 1))
+        packed, _ = _data(tmp_path, hf_tokenizer_dir, [tmp_path / "tiny.jsonl"], "data.messages_field=messages",
+                          "data.seq_len=64", "data.val_fraction=0.3")
+        assert len(packed) == 1 and packed.labeled_batch([0]).positions is not None  # both in one sample, apart
+        in_one = float(masked_loss_terms(model, packed.labeled_batch([0])).ce_sum)
+    assert packed.target_count([0]) == count
+    assert in_one / count == pytest.approx(reference, rel=1e-6)
     assert train.target_count([0, 1]) == count
     assert summed / train.target_count([0, 1]) == pytest.approx(reference, rel=1e-6)
 

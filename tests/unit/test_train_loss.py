@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from fsdpkit.data.datasets import Batch
 from fsdpkit.model.llama import LlamaArgs, LlamaForCausalLM
-from fsdpkit.train.loop import masked_loss_sum
 from fsdpkit.train.loss import IGNORE_INDEX, masked_loss_terms, router_aux_loss_coef
 
 transformers = pytest.importorskip("transformers")
@@ -43,7 +43,7 @@ def test_one_micro_batch_equals_transformers_loss_with_the_aux_term():
     labels[0, 3:6] = IGNORE_INDEX  # masked targets count in neither the CE nor the token weight
     with torch.no_grad():
         ref = model(input_ids=x, labels=labels)
-        terms = masked_loss_terms(model, x, as_targets(labels))
+        terms = masked_loss_terms(model, Batch(x, as_targets(labels)))
     assert int(terms.tokens) == 2 * 8 - 3
     assert float(terms.aux) == pytest.approx(float(ref.aux_loss), rel=1e-6)
     assert terms.aux_coef == COEF
@@ -61,7 +61,7 @@ def test_gradients_equal_transformers_loss_gradients():
     model(input_ids=x, labels=x).loss.backward()
     ref = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    terms = masked_loss_terms(model, x, as_targets(x))
+    terms = masked_loss_terms(model, Batch(x, as_targets(x)))
     (terms.objective_sum() / terms.tokens).backward()
     router = "model.layers.0.mlp.gate.weight"
     assert router in ref and ref[router].abs().max() > 0
@@ -79,7 +79,7 @@ def test_micro_batches_add_the_aux_term_weighted_by_their_trained_targets():
         ce = [float(model(input_ids=x, labels=y, output_router_logits=False).loss) for x, y in zip(xs, labels,
                                                                                                    strict=True)]
         aux = [float(model(input_ids=x).aux_loss) for x in xs]
-        terms = [masked_loss_terms(model, x, as_targets(y)) for x, y in zip(xs, labels, strict=True)]
+        terms = [masked_loss_terms(model, Batch(x, as_targets(y))) for x, y in zip(xs, labels, strict=True)]
     n = [16, 4]  # trained targets: 2 rows x 8, and 1 row x 8 with labels 1-4 masked (label 0 is no target)
     assert [int(t.tokens) for t in terms] == n
     expected = sum((c + COEF * a) * k for c, a, k in zip(ce, aux, n, strict=True)) / sum(n)
@@ -94,7 +94,7 @@ def test_no_aux_term_when_output_router_logits_is_off():
     assert router_aux_loss_coef(model) is None
     with torch.no_grad():
         ref = model(input_ids=x, labels=x)
-        terms = masked_loss_terms(model, x, as_targets(x))
+        terms = masked_loss_terms(model, Batch(x, as_targets(x)))
     assert ref.aux_loss is None and terms.aux is None
     assert terms.objective_sum() is terms.ce_sum
     assert float(terms.ce_sum / terms.tokens) == pytest.approx(float(ref.loss), rel=1e-6)
@@ -110,8 +110,10 @@ def test_models_without_routers_have_no_aux_term():
     x = batch(6)
     with torch.no_grad():
         ref = float(hf_llama(input_ids=x, labels=x).loss)
-        # masked_loss_sum (the older entry point) is the summed CE: 16 trained targets
-        assert float(masked_loss_sum(hf_llama, x, as_targets(x))) / 16 == pytest.approx(ref, rel=1e-6)
+        # the summed CE of 16 trained targets, chunked and from the full logits
+        for chunk in (0, 3, None):
+            terms = masked_loss_terms(hf_llama, Batch(x, as_targets(x)), chunk_tokens=chunk)
+            assert float(terms.ce_sum) / 16 == pytest.approx(ref, rel=1e-6) and terms.aux is None
 
 
 class ConfiguredLinear(torch.nn.Module):
@@ -133,7 +135,8 @@ def test_aux_loss_coefficient_from_the_config_and_its_errors():
     assert router_aux_loss_coef(ConfiguredLinear(output_router_logits=False)) is None
     x = batch(7)
     with pytest.raises(ValueError, match=r"returned no aux_loss.*model\.hf_config\.output_router_logits=false"):
-        masked_loss_terms(ConfiguredLinear(output_router_logits=True, router_aux_loss_coef=0.1), x, as_targets(x))
+        masked_loss_terms(ConfiguredLinear(output_router_logits=True, router_aux_loss_coef=0.1),
+                          Batch(x, as_targets(x)))
 
 
 def test_the_training_forward_builds_no_kv_cache(monkeypatch):
@@ -159,6 +162,6 @@ def test_the_training_forward_builds_no_kv_cache(monkeypatch):
     from fsdpkit.model import forward, logits
 
     assert forward(model, x).past_key_values is None
-    terms = masked_loss_terms(model, x[:, :-1], x[:, 1:])
+    terms = masked_loss_terms(model, Batch(x[:, :-1], x[:, 1:]))
     assert torch.equal(logits(model, x), reference) and len(built) == 1
     assert float(terms.ce_sum.detach()) > 0

@@ -52,8 +52,8 @@ class AllMasked:
         return self.data.batch(indices)
 
     def labeled_batch(self, indices):
-        inputs, targets = self.data.labeled_batch(indices)
-        return inputs, torch.full_like(targets, -100)
+        got = self.data.labeled_batch(indices)
+        return got._replace(targets=torch.full_like(got.targets, -100))
 
     def target_count(self, indices) -> int:
         return 0
@@ -145,7 +145,7 @@ def test_trainer_records_the_router_aux_loss_beside_the_cross_entropy(tmp_path):
     ce, aux = [], []
     with torch.no_grad():
         for mb in (indices[:MICRO], indices[MICRO:]):
-            inputs, targets = data.labeled_batch(mb)
+            inputs, targets, _ = data.labeled_batch(mb)
             out = model(input_ids=inputs, labels=targets, shift_labels=targets.contiguous())
             ce.append(float(out.loss) - 0.02 * float(out.aux_loss))  # its loss is CE + coef * aux
             aux.append(float(out.aux_loss))

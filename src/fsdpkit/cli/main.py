@@ -100,9 +100,10 @@ def _train(args: argparse.Namespace) -> int:
         if args.max_restarts < 0:
             raise ValueError(f"--max-restarts must be at least 0, got {args.max_restarts}")
         check_world_size(cfg, args.nproc, local_world_size=args.nproc)
-        from fsdpkit.train.preflight import check_directories
+        from fsdpkit.train.preflight import check_directories, check_packing
 
         check_directories(cfg)  # one message from the launcher, before any rank starts
+        check_packing(cfg)
         return _launch_local(args, cfg)
     if args.max_restarts:
         raise ValueError("--max-restarts needs --nproc N (under torchrun, pass torchrun's own --max-restarts)")

@@ -26,6 +26,8 @@ from omegaconf.errors import OmegaConfBaseException
 from fsdpkit.config.paths import check_url, is_url, refuse_url
 from fsdpkit.config.schema import (
     MIXED_PRECISION_PRESETS,
+    OVERLONG,
+    PACKING,
     REMOVED_KEYS,
     SHARDING_STRATEGIES,
     STATE_DICT_TYPES,
@@ -233,7 +235,9 @@ def validate(cfg: Config) -> None:
             raise ValueError("data.kind=hf needs data.tokenizer=<folder of a Hugging Face tokenizer> (with model.path "
                              "it defaults to the model folder)")
         _one_of("data.format", d.format, ("auto", "json", "parquet", "csv", "text"))
-        _one_of("data.overlong", d.overlong, ("truncate", "drop"))
+        d.packing = str(d.packing).lower()  # YAML and the command line give true/false as booleans
+        _one_of("data.packing", d.packing, PACKING)
+        _one_of("data.overlong", d.overlong, OVERLONG)
         _positive("data.num_proc", d.num_proc)
     _one_of("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
     if d.kind in ("tokens", "text") and not d.path:
@@ -253,6 +257,7 @@ def validate(cfg: Config) -> None:
     _positive("train.eval_every", t.eval_every, allow_zero=True)
     _positive("train.stop_at", t.stop_at, allow_zero=True)
     _positive("train.eval_samples", t.eval_samples, allow_zero=True)
+    _positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
     _positive("train.grad_clip", t.grad_clip, allow_zero=True)
     _positive("dist.timeout_s", cfg.dist.timeout_s)
     _positive("dist.heartbeat_s", cfg.dist.heartbeat_s, allow_zero=True)

@@ -14,6 +14,8 @@ from typing import Any
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 STATE_DICT_TYPES = ("sharded", "full")
 MIXED_PRECISION_PRESETS = ("fp32", "bf16-mixed", "bf16-true")
+PACKING = ("true", "false", "concat")
+OVERLONG = ("truncate", "drop", "split")
 REMOVED_KEYS = {
     "checkpoint.io": "every load now reads with DCP's own reader, after a pass that checks every file's checksum "
                      "(checkpoint.verify_checksums)",
@@ -179,12 +181,16 @@ class DataConfig:
     """kind=hf: the column holding a conversation (`[{"role": ..., "content": ...}, ...]`), for
     chat SFT: rendered with the tokenizer's chat template, loss on the assistant's tokens only.
     Empty: plain documents from `text_field`."""
-    packing: bool = True
-    """kind=hf: true: documents one after another (EOS after each text document) cut into
-    seq_len + 1 windows; false: one document per sample, padded (padding is not trained on)."""
+    packing: str = "true"
+    """kind=hf: `true`: whole documents packed into each sample (best fit, the same samples at any
+    world size), each attending only to itself (positions restart at 0 per document), the rest
+    padding; `false`: one document per sample, padded; `concat`: documents run one after another
+    across samples and attend to those before them in a sample (pretraining on a text stream).
+    Padding is never trained on."""
     overlong: str = "truncate"
-    """kind=hf with packing=false: a document longer than seq_len + 1 tokens is cut (`truncate`)
-    or left out (`drop`); the counts are logged at start-up."""
+    """kind=hf with packing=true or false: a document longer than seq_len + 1 tokens is cut
+    (`truncate`), left out (`drop`) or cut into consecutive windows that each train on their own
+    part (`split`); the counts are logged at start-up."""
     cache_dir: str = ""
     """kind=hf: where tokenized data is cached (keyed by the files' contents, the tokenizer and the
     options; reused by every rank and later runs). Must be shared by all ranks. Empty:
@@ -246,7 +252,15 @@ class TrainConfig:
     eval_every: int = 0
     """Compute val_loss every this many steps (0: only at the end)."""
     eval_samples: int = 64
-    """Held-out samples per evaluation (the same samples at any world size)."""
+    """Held-out samples per evaluation (the same samples at any world size); 0: no evaluation."""
+    chunked_loss: bool = True
+    """Compute the output projection and cross-entropy a chunk of tokens at a time, so the
+    [tokens, vocab] logits never exist whole (at a 128k vocabulary they take 0.5 MB per token in
+    fp32); the architecture's own logit transforms (softcapping, logit scales) are applied, and every
+    forward checks them against the model's own logits. false: the loss of the model's full logits."""
+    loss_chunk_tokens: int = 0
+    """Tokens per chunk of the chunked loss; 0: as many as keep one chunk's fp32 logits within
+    128 MiB (1,024 tokens at a 32k vocabulary, 256 at 128k)."""
     stop_at: int = 0
     """Stop after this step as an interruption would (the schedule still targets max_steps; a later
     run resumes from the last checkpoint). 0: run to max_steps."""

@@ -7,14 +7,15 @@ next-token targets). Three sources, one interface:
 - a text file through the byte-level tokenizer (one token per UTF-8 byte, vocabulary 256);
 - local jsonl/json/parquet/csv/text files through a Hugging Face tokenizer (hf_dataset.py).
 
-`labeled_batch` gives (inputs, targets) with -100 where a target is not trained on, and
-`target_count` the number of trained targets of any samples (the loss normaliser).
+`labeled_batch` gives a `Batch`: inputs, targets with -100 where a target is not trained on,
+and, for samples that pack several documents, the positions that keep them apart;
+`target_count` gives the number of trained targets of any samples (the loss normaliser).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -22,6 +23,18 @@ import torch
 from fsdpkit.config.schema import DataConfig
 
 BYTE_VOCAB = 256
+
+
+class Batch(NamedTuple):
+    """One micro-batch as the model and the loss take it."""
+
+    inputs: torch.Tensor
+    """[B, L] token ids."""
+    targets: torch.Tensor
+    """[B, L] next-token targets; -100 where not trained on (padding, prompts, document ends)."""
+    positions: torch.Tensor | None = None
+    """[B, L] each token's position in its own document, restarting at 0 where a document starts
+    (the model attends within a document only); None: one sequence per row, positions 0..L-1."""
 
 
 class Dataset(Protocol):
@@ -33,8 +46,8 @@ class Dataset(Protocol):
         """Samples `indices` as a LongTensor [len(indices), seq_len + 1]."""
         ...
 
-    def labeled_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs [B, seq_len], targets [B, seq_len]); targets are -100 where not trained on."""
+    def labeled_batch(self, indices: list[int]) -> Batch:
+        """Inputs, targets (-100 where not trained on) and positions, each [B, seq_len]."""
         ...
 
     def target_count(self, indices: list[int]) -> int:
@@ -42,9 +55,9 @@ class Dataset(Protocol):
         ...
 
 
-def shifted(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """tokens [B, L + 1] -> (inputs [B, L], next-token targets [B, L]), every target trained on."""
-    return tokens[:, :-1], tokens[:, 1:]
+def shifted(tokens: torch.Tensor) -> Batch:
+    """tokens [B, L + 1] -> inputs [B, L] and next-token targets [B, L], every target trained on."""
+    return Batch(tokens[:, :-1], tokens[:, 1:])
 
 
 class SyntheticCorpus:
@@ -83,7 +96,7 @@ class SyntheticCorpus:
     def batch(self, indices: list[int]) -> torch.Tensor:
         return torch.from_numpy(np.stack([self._sample(i) for i in indices]))
 
-    def labeled_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def labeled_batch(self, indices: list[int]) -> Batch:
         return shifted(self.batch(indices))
 
     def target_count(self, indices: list[int]) -> int:
@@ -114,7 +127,7 @@ class TokenFile:
             )
         return out
 
-    def labeled_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def labeled_batch(self, indices: list[int]) -> Batch:
         return shifted(self.batch(indices))
 
     def target_count(self, indices: list[int]) -> int:

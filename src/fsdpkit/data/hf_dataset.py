@@ -1,11 +1,15 @@
 """`data.kind=hf`: documents or conversations from local files, tokenized with a Hugging Face
 tokenizer (through the shared cache of token_cache.py), as fixed-length training samples.
+`data.packing` decides how documents become samples:
 
-- packing=true: the split's documents one after another (each ends with EOS for text; a chat
-  template closes its own turns); sample i covers tokens [i*L, i*L + L + 1) of that stream, as
-  for a token file. Nothing is truncated or dropped; attention runs across document boundaries.
-- packing=false: one document per sample, cut at L + 1 tokens (`overlong=truncate`) or left out
-  (`overlong=drop`), then padded; padded targets are -100.
+- `true` (isolated packing, packing.py): whole documents bin-packed into samples of seq_len input
+  positions, each document's positions restarting at 0 so that the model keeps it apart from the
+  others in its sample; the tail is padding. A document longer than the window follows
+  `data.overlong`: `truncate`, `drop` or `split` (into consecutive windows).
+- `false`: one document per sample, padded, with the same `overlong` rule.
+- `concat`: the split's documents one after another (each ends with EOS for text; a chat template
+  closes its own turns), cut into seq_len + 1 windows as for a token file. Nothing is padded, and
+  attention runs across document boundaries: for pretraining on a stream of text.
 
 Targets are -100 wherever the target token is not trained on (padding, and for chat SFT every
 token that is not the assistant's), so the summed cross-entropy covers trained tokens only.
@@ -21,7 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fsdpkit.config.schema import DataConfig
+from fsdpkit.config.schema import PACKING, DataConfig
+from fsdpkit.data.datasets import Batch
+from fsdpkit.data.packing import best_fit_decreasing, pieces
 from fsdpkit.data.token_cache import (
     TokenizedCorpus,
     TokenizeSpec,
@@ -33,9 +39,22 @@ from fsdpkit.data.tokenizer import check_vocab, load_tokenizer, tokenizer_finger
 from fsdpkit.log import get_logger
 
 IGNORE_INDEX = -100
-OVERLONG = ("truncate", "drop")
 
 log = get_logger("data")
+
+
+def packing_mode(value: object) -> str:
+    """`data.packing` as one of PACKING (YAML and the command line give true/false as booleans).
+
+    Raises:
+        ValueError: any other value.
+    """
+    mode = str(value).lower()
+    if mode not in PACKING:
+        raise ValueError(f"data.packing must be true (whole documents packed, each kept apart), false (one document "
+                         f"per sample, padded) or concat (documents run together across samples, for pretraining), "
+                         f"got {value!r}")
+    return mode
 
 
 @dataclass
@@ -47,9 +66,15 @@ class SplitReport:
     truncated: int
     dropped: int
     trained_tokens: int
+    untrained: int = 0
+    """Documents with no trained target (a chat with no assistant turn), left out."""
+    split: int = 0
+    """Documents longer than the window cut into several pieces (data.overlong=split)."""
+    padding: float = 0.0
+    """Share of the samples' input positions that are padding."""
 
 
-class PackedDocuments:
+class ConcatenatedDocuments:
     """Documents [first_doc, last_doc) of a corpus as one token stream cut into L + 1 windows."""
 
     def __init__(self, corpus: TokenizedCorpus, *, first_doc: int, last_doc: int, seq_len: int, fingerprint: str):
@@ -77,13 +102,13 @@ class PackedDocuments:
         """Token ids [B, L + 1]."""
         return torch.from_numpy(np.stack([np.asarray(self.ids[self._window(i)], dtype=np.int64) for i in indices]))
 
-    def labeled_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    def labeled_batch(self, indices: list[int]) -> Batch:
         tokens = self.batch(indices)  # [B, L + 1]
         targets = tokens[:, 1:].clone()
         if self.mask is not None:
             keep = torch.from_numpy(np.stack([np.asarray(self.mask[self._window(i)][1:], dtype=bool) for i in indices]))
             targets[~keep] = IGNORE_INDEX
-        return tokens[:, :-1], targets
+        return Batch(tokens[:, :-1], targets)
 
     def target_count(self, indices: list[int]) -> int:
         if self._trained is None:
@@ -91,61 +116,106 @@ class PackedDocuments:
         return int(self._trained[indices].sum())
 
 
-class PaddedDocuments:
-    """One document per sample, truncated or dropped beyond L + 1 tokens, padded to L + 1."""
+class DocumentSamples:
+    """Whole documents (pieces of at most L + 1 tokens) grouped into samples of L input positions:
+    several per sample when packed (isolated), one per sample when padded.
+
+    Sample b holds pieces items[bin_offsets[b]:bin_offsets[b + 1]]; piece p is tokens
+    [starts[p], starts[p] + lengths[p]) of the corpus and fills lengths[p] - 1 input positions, its
+    positions restarting at 0. The rest of the sample is padding (its own positions from 0, no
+    targets).
+    """
 
     def __init__(self, corpus: TokenizedCorpus, *, first_doc: int, last_doc: int, seq_len: int, pad_id: int,
-                 overlong: str, fingerprint: str):
-        if overlong not in OVERLONG:
-            raise ValueError(f"data.overlong must be `truncate` or `drop`, got {overlong!r}")
+                 overlong: str, packed: bool, fingerprint: str):
         self.corpus, self.fingerprint = corpus, fingerprint
         self.ids, self.mask, self.seq_len, self.pad_id = corpus.ids, corpus.mask, seq_len, pad_id
-        starts = corpus.offsets[first_doc:last_doc]
-        lengths = corpus.offsets[first_doc + 1 : last_doc + 1] - starts
-        too_long = lengths > seq_len + 1
-        keep = ~too_long if overlong == "drop" else lengths > 1  # a 1-token document has no target
-        self.starts, self.lengths = starts[keep], np.minimum(lengths[keep], seq_len + 1)
+        doc_starts = corpus.offsets[first_doc:last_doc]
+        doc_lengths = corpus.offsets[first_doc + 1 : last_doc + 1] - doc_starts
+        starts, lengths, truncated, dropped = pieces(doc_starts, doc_lengths, seq_len=seq_len, overlong=overlong)
         if self.mask is None:
-            self._trained = self.lengths - 1
-        else:
+            trained = lengths - 1
+        else:  # trained targets of a piece: its mask after the first token
             csum = np.concatenate([[0], np.cumsum(self.mask, dtype=np.int64)])
-            self._trained = csum[self.starts + self.lengths] - csum[self.starts + 1]
-        self.report = SplitReport(documents=last_doc - first_doc, samples=len(self.starts),
-                                  truncated=int(too_long.sum()) if overlong == "truncate" else 0,
-                                  dropped=int(too_long.sum()) if overlong == "drop" else 0,
-                                  trained_tokens=int(self._trained.sum()))
+            trained = csum[starts + lengths] - csum[starts + 1]
+        # A conversation with no assistant turn has nothing to train: packing leaves it out; one document per
+        # sample keeps it (the samples of runs saved before packing kept documents apart), as a fully masked sample.
+        untrained = trained == 0
+        if packed:
+            starts, lengths, trained = starts[~untrained], lengths[~untrained], trained[~untrained]
+        self.starts, self.lengths = starts, lengths
+        if packed:
+            self.bin_offsets, self.items = best_fit_decreasing(self.lengths - 1, capacity=seq_len)
+        else:
+            self.bin_offsets, self.items = np.arange(len(self.starts) + 1), np.arange(len(self.starts))
+        samples = len(self.bin_offsets) - 1
+        self._trained = (np.add.reduceat(trained[self.items], self.bin_offsets[:-1]) if samples
+                         else np.zeros(0, dtype=np.int64))
+        filled = int((self.lengths - 1).sum())
+        self.report = SplitReport(documents=last_doc - first_doc, samples=samples, truncated=truncated,
+                                  dropped=dropped, trained_tokens=int(trained.sum()), untrained=int(untrained.sum()),
+                                  split=int((doc_lengths > seq_len + 1).sum()) if overlong == "split" else 0,
+                                  padding=1 - filled / (samples * seq_len) if samples else 0.0)
 
     def __len__(self) -> int:
-        return len(self.starts)
+        return len(self.bin_offsets) - 1
 
-    def _rows(self, indices: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        n = self.seq_len + 1
-        tokens = np.full((len(indices), n), self.pad_id, dtype=np.int64)
-        trained = np.zeros((len(indices), n), dtype=bool)
-        for row, i in enumerate(indices):
-            a, k = int(self.starts[i]), int(self.lengths[i])
-            tokens[row, :k] = self.ids[a : a + k]
-            trained[row, :k] = True if self.mask is None else np.asarray(self.mask[a : a + k], dtype=bool)
-        return tokens, trained
+    def labeled_batch(self, indices: list[int]) -> Batch:
+        """Inputs, targets and positions [B, L]; positions are None when every sample holds one
+        document (its positions are then 0..L-1, as the model assumes without them)."""
+        n = self.seq_len
+        inputs = np.full((len(indices), n), self.pad_id, dtype=np.int64)
+        targets = np.full((len(indices), n), IGNORE_INDEX, dtype=np.int64)
+        positions = np.zeros((len(indices), n), dtype=np.int64)
+        several = False
+        for row, b in enumerate(indices):
+            at = 0
+            members = self.items[self.bin_offsets[b] : self.bin_offsets[b + 1]].tolist()
+            several |= len(members) > 1
+            for p in members:
+                a, k = int(self.starts[p]), int(self.lengths[p])
+                tokens = np.asarray(self.ids[a : a + k], dtype=np.int64)
+                inputs[row, at : at + k - 1] = tokens[:-1]
+                targets[row, at : at + k - 1] = (tokens[1:] if self.mask is None else
+                                                 np.where(self.mask[a + 1 : a + k], tokens[1:], IGNORE_INDEX))
+                positions[row, at : at + k - 1] = np.arange(k - 1)
+                at += k - 1
+            positions[row, at:] = np.arange(n - at)  # the padding: a block of its own
+        return Batch(torch.from_numpy(inputs), torch.from_numpy(targets),
+                     torch.from_numpy(positions) if several else None)
 
     def batch(self, indices: list[int]) -> torch.Tensor:
-        """Token ids [B, L + 1] (padding included)."""
-        return torch.from_numpy(self._rows(indices)[0])
+        """Token ids [B, L + 1] of samples that hold one document each (padding included).
 
-    def labeled_batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, trained = self._rows(indices)
-        targets = np.where(trained[:, 1:], tokens[:, 1:], IGNORE_INDEX)
-        return torch.from_numpy(tokens[:, :-1]), torch.from_numpy(targets)
+        Raises:
+            ValueError: a sample holds several documents (their boundaries need the positions).
+        """
+        tokens = np.full((len(indices), self.seq_len + 1), self.pad_id, dtype=np.int64)
+        for row, b in enumerate(indices):
+            first, stop = int(self.bin_offsets[b]), int(self.bin_offsets[b + 1])
+            if stop - first > 1:
+                raise ValueError(f"sample {b} holds {stop - first} documents; read packed samples with labeled_batch, "
+                                 "whose positions keep them apart")
+            p = int(self.items[first])
+            a, k = int(self.starts[p]), int(self.lengths[p])
+            tokens[row, :k] = self.ids[a : a + k]
+        return torch.from_numpy(tokens)
 
     def target_count(self, indices: list[int]) -> int:
         return int(self._trained[indices].sum())
 
 
+# What the data cursor's fingerprint records for each mode: `concat` and `false` keep the names that
+# runs saved before isolated packing recorded for them (true and false), so those runs resume.
+_IDENTITY = {"concat": "True", "false": "False", "true": "isolated"}
+
+
 def _split(corpus: TokenizedCorpus, cfg: DataConfig, *, pad_id: int, first_doc: int, last_doc: int, fingerprint: str):
     common = dict(first_doc=first_doc, last_doc=last_doc, seq_len=cfg.seq_len, fingerprint=fingerprint)
-    if cfg.packing:
-        return PackedDocuments(corpus, **common)
-    return PaddedDocuments(corpus, pad_id=pad_id, overlong=cfg.overlong, **common)
+    mode = packing_mode(cfg.packing)
+    if mode == "concat":
+        return ConcatenatedDocuments(corpus, **common)
+    return DocumentSamples(corpus, pad_id=pad_id, overlong=cfg.overlong, packed=mode == "true", **common)
 
 
 def _corpus(cfg: DataConfig, tok, *, patterns: list[str], setting: str, fingerprint: str) -> TokenizedCorpus:
@@ -172,7 +242,8 @@ def build_hf_datasets(cfg: DataConfig, *, vocab_size: int):
     corpus = _corpus(cfg, tok, patterns=list(cfg.files), setting="data.files", fingerprint=fingerprint)
     n = corpus.num_documents
     # Identifies the sample order's universe: the data cursor refuses to resume on other data.
-    identity = f"{corpus.key}:{list(cfg.val_files) or cfg.val_fraction}:{cfg.packing}:{cfg.overlong}:{cfg.seq_len}"
+    mode = packing_mode(cfg.packing)
+    identity = f"{corpus.key}:{list(cfg.val_files) or cfg.val_fraction}:{_IDENTITY[mode]}:{cfg.overlong}:{cfg.seq_len}"
     common = dict(pad_id=pad_id, fingerprint=hashlib.sha256(identity.encode()).hexdigest()[:16])
     if cfg.val_files:
         val_corpus = _corpus(cfg, tok, patterns=list(cfg.val_files), setting="data.val_files", fingerprint=fingerprint)
@@ -186,10 +257,24 @@ def build_hf_datasets(cfg: DataConfig, *, vocab_size: int):
         r = part.report
         if r.samples < 1:
             raise ValueError(f"the {name} split has no sample of data.seq_len={cfg.seq_len} + 1 tokens "
-                             f"({r.documents} documents, {r.dropped} dropped as too long); add data, lower "
-                             "data.seq_len or change data.val_fraction / data.overlong")
-        overlong = ("packed: documents run across windows, none cut" if cfg.packing else
-                    f"longer than {cfg.seq_len + 1} tokens: {r.truncated} truncated, {r.dropped} dropped")
+                             f"({r.documents} documents, {r.dropped} dropped as too long, {r.untrained} with no "
+                             "trained token); add data, lower data.seq_len or change data.val_fraction / "
+                             "data.overlong")
         log.info("data %s: %d documents -> %d samples, %d trained tokens; %s", name, r.documents, r.samples,
-                 r.trained_tokens, overlong)
+                 r.trained_tokens, _describe(r, mode=mode, seq_len=cfg.seq_len, overlong=cfg.overlong))
     return train, val
+
+
+def _describe(r: SplitReport, *, mode: str, seq_len: int, overlong: str) -> str:
+    """The start-up line's account of how documents became samples."""
+    if mode == "concat":
+        return ("data.packing=concat: documents run one after another across samples, and each attends to the "
+                "documents before it in its sample (for pretraining; data.packing=true keeps them apart)")
+    how = ("packed whole, each document attending only to itself" if mode == "true" else "one document per sample")
+    longer = {"truncate": f"{r.truncated} truncated", "drop": f"{r.dropped} dropped",
+              "split": f"{r.split} split into windows"}[overlong]
+    untrained = ""
+    if r.untrained:
+        untrained = f", {r.untrained} with no trained token" + (" left out" if mode == "true" else "")
+    return (f"{how}; {100 * r.padding:.1f}% of the input positions are padding; longer than {seq_len + 1} tokens: "
+            f"{longer}{untrained}")

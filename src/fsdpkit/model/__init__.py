@@ -88,19 +88,42 @@ def _takes_use_cache(cls: type) -> bool:
     return "use_cache" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
-def forward(model: nn.Module, input_ids: torch.Tensor):
+def _flash_attention(model: nn.Module) -> bool:
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", "")).startswith("flash")
+
+
+def forward(model: nn.Module, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None,
+            logits_to_keep: int = 0):
     """The model's training forward of input_ids [B, T]: a tensor of logits (our models) or
-    transformers' output. A transformers model runs with `use_cache=False`: its configs default to
-    `use_cache=True`, which builds a KV cache in every forward, training included; that cache keeps
-    every layer's keys and values alive, and under activation checkpointing the recomputed layer
-    writes into it a second time (with torch.compile the recompute then replays a different graph
-    and fails torch.utils.checkpoint's metadata check)."""
-    if isinstance(model, LlamaForCausalLM) or not _takes_use_cache(type(model)):
-        return model(input_ids)
-    return model(input_ids, use_cache=False)
+    transformers' output.
+
+    positions [B, T]: each token's position in its own document, restarting at 0 where a document
+    starts; every document then attends only to itself. transformers models build block-diagonal
+    masks from them (sdpa, eager, flex); flash-attention's varlen kernels read them from a single
+    row, so for those the micro-batch runs as one row [1, B * T] (the output is in that shape).
+    fsdpkit's Llama builds a document mask.
+
+    logits_to_keep: the logits of the last positions only (0: every position), transformers' argument.
+
+    A transformers model runs with `use_cache=False`: its configs default to `use_cache=True`, which
+    builds a KV cache in every forward, training included; that cache keeps every layer's keys and
+    values alive, and under activation checkpointing the recomputed layer writes into it a second
+    time (with torch.compile the recompute then replays a different graph and fails
+    torch.utils.checkpoint's metadata check)."""
+    if isinstance(model, LlamaForCausalLM):
+        return model(input_ids, positions, logits_to_keep)
+    kwargs: dict = {"logits_to_keep": logits_to_keep} if logits_to_keep else {}
+    if positions is not None:
+        if _flash_attention(model):
+            input_ids, positions = input_ids.reshape(1, -1), positions.reshape(1, -1)
+        kwargs["position_ids"] = positions
+    if _takes_use_cache(type(model)):
+        kwargs["use_cache"] = False
+    return model(input_ids, **kwargs)
 
 
-def logits(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+def logits(model: nn.Module, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None) -> torch.Tensor:
     """input_ids [B, T] -> logits [B, T, vocab] for our models and transformers models alike."""
-    out = forward(model, input_ids)
-    return out if isinstance(out, torch.Tensor) else out.logits
+    out = forward(model, input_ids, positions=positions)
+    out = out if isinstance(out, torch.Tensor) else out.logits
+    return out.reshape(*input_ids.shape, out.shape[-1])

@@ -92,7 +92,8 @@ class LlamaAttention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)  # [B, KV, T, D]
@@ -100,7 +101,10 @@ class LlamaAttention(nn.Module):
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, D]
+        else:  # causal within each document (document_mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -123,9 +127,21 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = LlamaRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """position_ids [B, T] -> boolean attention mask [B, 1, T, T]: query i attends to key j when
+    j <= i and both lie in the same document. A document starts wherever the position does not
+    step by one (as transformers' find_packed_sequence_indices reads packed positions)."""
+    step = torch.diff(position_ids, dim=-1, prepend=position_ids[:, :1] - 1)
+    doc = (step != 1).cumsum(-1)  # [B, T] document index of each token
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return (doc[:, :, None] == doc[:, None, :]).logical_and_(causal)[:, None]
 
 
 class LlamaModel(nn.Module):
@@ -136,12 +152,18 @@ class LlamaModel(nn.Module):
         self.norm = LlamaRMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary_emb = LlamaRotaryEmbedding(args)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> normed hidden states [B, T, hidden]. position_ids [B, T] that restart
+        at 0 start a new document there, which attends only to itself (document_mask)."""
         x = self.embed_tokens(input_ids)  # [B, T, hidden]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        cos, sin = self.rotary_emb(x, positions)
+        mask = None
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        else:
+            mask = document_mask(position_ids)
+        cos, sin = self.rotary_emb(x, position_ids)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, mask)
         return self.norm(x)
 
 
@@ -156,9 +178,12 @@ class LlamaForCausalLM(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids [B, T] -> logits [B, T, vocab]."""
-        return self.lm_head(self.model(input_ids))
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                logits_to_keep: int = 0) -> torch.Tensor:
+        """input_ids [B, T] -> logits [B, T, vocab] (of the last `logits_to_keep` positions only, when
+        it is not 0, as transformers' argument of that name)."""
+        hidden = self.model(input_ids, position_ids)
+        return self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
     def reset_nonpersistent_buffers(self) -> None:
         self.model.rotary_emb.reset_inv_freq()

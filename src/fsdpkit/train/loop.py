@@ -24,14 +24,11 @@ from fsdpkit.diagnostics import (
     Diagnostics,
     FSDPContractError,
 )
-from fsdpkit.train.loss import masked_loss_sum, micro_batch_loss, micro_batch_terms, token_loss_sum
+from fsdpkit.train.loss import micro_batch_terms
 from fsdpkit.train.metrics import MetricsLog, Progress, peak_memory_mib
 from fsdpkit.train.optim import clip_grad_norm
 from fsdpkit.train.stalled import FIRST_STEPS, nothing_trains_warning
 from fsdpkit.train.state import TrainState
-
-# Moved to fsdpkit.train.loss; callers import them from here too.
-__all__ = ["Trainer", "masked_loss_sum", "micro_batch_loss", "summarize", "token_loss_sum"]
 
 
 @dataclass
@@ -56,6 +53,8 @@ class Trainer:
     logger: logging.Logger
     diagnostics: Diagnostics = field(default_factory=Diagnostics.disabled)
     checkpointer: Checkpointer | None = None
+    loss_chunk_tokens: int | None = 0
+    """Tokens per chunk of the chunked loss (0: its default); None: the loss of the full logits."""
     stopped_by: str | None = None
     """Why fit stopped before max_steps or stop_at: a preemption signal's name."""
 
@@ -90,7 +89,8 @@ class Trainer:
         for i, indices in enumerate(micro):
             # Only the last micro-batch reduce-scatters; earlier ones accumulate locally.
             self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            terms = micro_batch_terms(self.model, self.train_data, indices, device=self.device)
+            terms = micro_batch_terms(self.model, self.train_data, indices, device=self.device,
+                                      chunk_tokens=self.loss_chunk_tokens)
             mem.mark(FORWARD)
             # MoE models add their router load-balancing term here (fsdpkit.train.loss explains the weighting)
             (terms.objective_sum() / global_tokens).backward()
@@ -159,7 +159,8 @@ class Trainer:
                                     micro_batch_size=self.micro_batch_size)
         loss_sum, tokens = 0.0, 0
         for indices in chunks:
-            loss = micro_batch_loss(self.model, self.val_data, indices or [0], device=self.device)
+            loss = micro_batch_terms(self.model, self.val_data, indices or [0], device=self.device,
+                                     chunk_tokens=self.loss_chunk_tokens).ce_sum
             if indices:  # an empty slot only keeps this rank in step with the others
                 loss_sum += float(loss)
                 tokens += self.val_data.target_count(indices)
@@ -185,7 +186,7 @@ class Trainer:
                 record = self.train_step()
                 self.diagnostics.after_step(last=self.state.step >= end)
                 last = self.state.step == self.max_steps  # not at stop_at: an interruption is not the end
-                if last or (self.eval_every and self.state.step % self.eval_every == 0):
+                if self.eval_samples and (last or (self.eval_every and self.state.step % self.eval_every == 0)):
                     val_loss = record["val_loss"] = self.evaluate()
                     self.logger.info("step %d  val_loss %.4f", self.state.step, val_loss)
                 self.metrics.step(record, quiet=progress.active)

@@ -14,6 +14,11 @@ so with one micro-batch on one rank, objective_sum / tokens is exactly transform
 several, the aux term is the token-weighted mean of the micro-batches' aux losses (a micro-batch
 with no trained target adds none). The reported `loss` metric stays the cross-entropy alone
 (comparable with runs and models without experts); `aux_loss` is reported beside it.
+
+The cross-entropy is computed chunk by chunk from the trunk's hidden states (train/chunked_loss.py,
+model/head.py), so the [tokens, vocab] fp32 logits never exist whole; `train.chunked_loss=false`
+computes it from the model's full logits instead. Packed samples carry positions that keep their
+documents apart (fsdpkit.model.forward).
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fsdpkit.data.datasets import Dataset
+from fsdpkit.data.datasets import Batch, Dataset
 from fsdpkit.model import forward as model_forward
+from fsdpkit.model.head import check_against_model, output_head
+from fsdpkit.train.chunked_loss import linear_cross_entropy
 
 IGNORE_INDEX = -100
 
@@ -80,22 +87,51 @@ def router_aux_loss_coef(model: nn.Module) -> float | None:
     return float(coef)
 
 
-def masked_loss_terms(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> LossTerms:
-    """One forward of inputs [B, L] scored against targets [B, L] (-100: not trained on).
+def _ce_terms(model: nn.Module, batch: Batch, *, chunk_tokens: int | None):
+    """(summed cross-entropy, the model's output) of one forward. With `chunk_tokens` (not None)
+    and a head the chunked loss can take apart, the logits are never built whole
+    (fsdpkit.train.chunked_loss); otherwise from the model's full logits, upcast to fp32."""
+    head = output_head(model) if chunk_tokens is not None else None
+    if head is None:
+        out = model_forward(model, batch.inputs, positions=batch.positions)
+        logits = out if isinstance(out, torch.Tensor) else out.logits  # [B, L, V]
+        ce_sum = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(), reduction="sum",
+                                 ignore_index=IGNORE_INDEX)
+        return ce_sum, out
+    captured: list = []
+    hook = head.trunk.register_forward_hook(lambda module, args, output: captured.append(output))
+    try:
+        out = model_forward(model, batch.inputs, positions=batch.positions, logits_to_keep=1)
+    finally:
+        hook.remove()
+    if not captured:
+        raise ValueError(f"{head.name}'s forward does not run {type(head.trunk).__name__}, where fsdpkit's chunked "
+                         "loss reads the hidden states; set train.chunked_loss=false to train on the model's full logits")
+    hidden = captured[-1] if isinstance(captured[-1], torch.Tensor) else captured[-1][0]  # [B, L, H] or [1, B*L, H]
+    check_against_model(head, hidden, out if isinstance(out, torch.Tensor) else out.logits)
+    proj = head.projection
+    ce_sum = linear_cross_entropy(hidden.flatten(0, 1), proj.weight, proj.bias, batch.targets.flatten(),
+                                  transform=head.transform, chunk_tokens=chunk_tokens)
+    return ce_sum, out
+
+
+def masked_loss_terms(model: nn.Module, batch: Batch, *, chunk_tokens: int | None = 0) -> LossTerms:
+    """One forward of a micro-batch (inputs, targets with -100 where not trained on, positions
+    that keep packed documents apart).
+
+    chunk_tokens: tokens per chunk of the chunked loss (0: its default); None: the model's full
+    logits.
 
     The aux term (if the config enables it) covers every input position, as transformers
     computes it when called without an attention mask.
 
     Raises:
-        ValueError: the config enables output_router_logits but the forward returned no aux_loss.
+        ValueError: the config enables output_router_logits but the forward returned no aux_loss,
+            or the model computes its logits otherwise than the chunked loss takes them to be.
     """
     coef = router_aux_loss_coef(model)
-    # Not fsdpkit.model.logits: that keeps only the logits, and the aux loss is in the same output.
-    out = model_forward(model, inputs)
-    logits = out if isinstance(out, torch.Tensor) else out.logits  # [B, L, V]
-    ce_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum",
-                             ignore_index=IGNORE_INDEX)
-    tokens = (targets != IGNORE_INDEX).sum()
+    ce_sum, out = _ce_terms(model, batch, chunk_tokens=chunk_tokens)
+    tokens = (batch.targets != IGNORE_INDEX).sum()
     if coef is None:
         return LossTerms(ce_sum=ce_sum, tokens=tokens)
     aux = None if isinstance(out, torch.Tensor) else getattr(out, "aux_loss", None)
@@ -108,23 +144,8 @@ def masked_loss_terms(model: nn.Module, inputs: torch.Tensor, targets: torch.Ten
                      aux_coef=coef)
 
 
-def masked_loss_sum(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Summed cross-entropy of inputs [B, L] against targets [B, L]; targets of -100 are skipped.
-    The cross-entropy alone: no router aux term (see masked_loss_terms)."""
-    return masked_loss_terms(model, inputs, targets).ce_sum
-
-
-def token_loss_sum(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-    """Summed next-token cross-entropy of batch [B, L+1] (inputs batch[:, :-1], targets batch[:, 1:])."""
-    return masked_loss_sum(model, batch[:, :-1], batch[:, 1:])
-
-
-def micro_batch_terms(model: nn.Module, data: Dataset, indices: list[int], *, device: torch.device) -> LossTerms:
+def micro_batch_terms(model: nn.Module, data: Dataset, indices: list[int], *, device: torch.device,
+                      chunk_tokens: int | None = 0) -> LossTerms:
     """The loss pieces of samples `indices` (see masked_loss_terms)."""
-    inputs, targets = data.labeled_batch(indices)
-    return masked_loss_terms(model, inputs.to(device), targets.to(device))
-
-
-def micro_batch_loss(model: nn.Module, data: Dataset, indices: list[int], *, device: torch.device) -> torch.Tensor:
-    """Summed cross-entropy of samples `indices` over their trained targets."""
-    return micro_batch_terms(model, data, indices, device=device).ce_sum
+    batch = Batch(*(None if t is None else t.to(device) for t in data.labeled_batch(indices)))
+    return masked_loss_terms(model, batch, chunk_tokens=chunk_tokens)

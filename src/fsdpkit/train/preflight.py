@@ -1,4 +1,5 @@
-"""Checks made before a run builds anything: the directories it will write must be usable.
+"""Checks made before a run builds anything: the directories it will write must be usable, and a
+model that cannot keep packed documents apart is not given packed samples.
 
 A run that fails them stops before the first step with one message naming the setting, instead
 of a traceback from deep inside the first save (or an hour later, at the first checkpoint).
@@ -76,3 +77,29 @@ def check_directories(cfg: Config) -> None:
             check_replaceable(out, overwrite=True)
         except ValueError as e:
             raise ValueError(f"export.dir={out} (export.on_finish): {e}") from None
+
+
+def packs_documents(cfg: Config) -> bool:
+    """Whether the run's samples pack several documents, each to be kept apart (data.packing=true)."""
+    return cfg.data.kind == "hf" and str(cfg.data.packing).lower() == "true"
+
+
+def check_packing(cfg: Config) -> None:
+    """Refuse data.packing=true for a model with layers that carry state across tokens outside
+    attention (fsdpkit.model.isolation), reading the model built on the meta device (nothing is
+    allocated). A no-op unless the run packs documents.
+
+    Raises:
+        ValueError: naming the model, the layers and the alternatives.
+    """
+    if not packs_documents(cfg):
+        return
+    import torch
+
+    from fsdpkit.model import build_model
+    from fsdpkit.model.isolation import packing_refusal
+
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    if why := packing_refusal(model):
+        raise ValueError(why)

@@ -22,13 +22,14 @@ from fsdpkit.export.model_config import read_json_object
 from fsdpkit.log import get_logger, setup_logging
 from fsdpkit.model import grow_vocab, vocab_size
 from fsdpkit.model.embeddings import check_vocab_and_tie
+from fsdpkit.model.isolation import check_isolation, packing_refusal
 from fsdpkit.model.peft import peft_base_name
 from fsdpkit.parallel import ShardingPlan, build_sharded_model
 from fsdpkit.train.determinism import enable_determinism, seed_everything
 from fsdpkit.train.loop import Trainer
 from fsdpkit.train.metrics import METRICS_FILE, MetricsLog
 from fsdpkit.train.optim import build_optimizer, build_scheduler
-from fsdpkit.train.preflight import check_directories
+from fsdpkit.train.preflight import check_directories, packs_documents
 from fsdpkit.train.state import TrainState
 
 CONFIG_FILE = "config.yaml"
@@ -84,6 +85,8 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path,
     # LoRA adapters and grown vocabulary rows are not in the base model's folder: they get their
     # own init, the rest is loaded.
     model, plan = build_sharded_model(cfg, device, init=init and (lora or grown or not init_from))
+    if packs_documents(cfg) and (why := packing_refusal(model)):  # also under a plain torchrun launch
+        raise ValueError(why)
     if init_from:
         config_json = Path(init_from).expanduser() / "config.json"
         if config_json.is_file():  # a local folder: its vocabulary and tying must be the model's
@@ -120,6 +123,7 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path,
         grad_clip=t.grad_clip,
         eval_every=t.eval_every,
         eval_samples=t.eval_samples,
+        loss_chunk_tokens=t.loss_chunk_tokens if t.chunked_loss else None,
         progress=t.progress,
         logger=log,
         diagnostics=diagnostics,
@@ -206,6 +210,8 @@ def train(cfg: Config, *, device: torch.device) -> dict[str, Any]:
         found = find_checkpoint(cfg.checkpoint, group=groups.sync)  # before the model: skip init if resuming
         trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=found.path is None)
         attach_checkpointer(trainer, cfg, plan, groups=groups).resume(found)
+        if packs_documents(cfg):  # on the weights it trains from: the model itself keeps documents apart
+            check_isolation(trainer.model, vocab_size=vocab_size(trainer.model), device=device, seed=cfg.seed)
         summary = trainer.fit(stop_at=cfg.train.stop_at or None)
         trainer.metrics.close()
         if dist.is_main():
