@@ -106,7 +106,8 @@ def _ce_terms(model: nn.Module, batch: Batch, *, chunk_tokens: int | None):
         hook.remove()
     if not captured:
         raise ValueError(f"{head.name}'s forward does not run {type(head.trunk).__name__}, where fsdpkit's chunked "
-                         "loss reads the hidden states; set train.chunked_loss=false to train on the model's full logits")
+                         "loss reads the hidden states; set train.chunked_loss=false to train on the model's full "
+                         "logits")
     hidden = captured[-1] if isinstance(captured[-1], torch.Tensor) else captured[-1][0]  # [B, L, H] or [1, B*L, H]
     check_against_model(head, hidden, out if isinstance(out, torch.Tensor) else out.logits)
     proj = head.projection
