@@ -1,7 +1,8 @@
 """Fine-tuning through the CLI: `fsdpkit resume-check` with LoRA on a transformers Llama, on data=hf
-packed documents (at the same world size, bitwise) and on chat SFT (initialised from a Hugging Face
-folder; at the same world size, bitwise, and 2 -> 3 ranks in one check); then the LoRA checkpoint's
-optimizer slices and its adapter / merged exports, loaded back with peft."""
+documents run together (data.packing=concat; at the same world size, bitwise) and on chat SFT packed
+with each conversation kept apart (data.packing=true; initialised from a Hugging Face folder; at the
+same world size, bitwise, and 2 -> 3 ranks in one check); then the LoRA checkpoint's optimizer
+slices and its adapter / merged exports, loaded back with peft."""
 
 from __future__ import annotations
 
@@ -63,14 +64,14 @@ def assert_resumed_at_step_3(work: Path, out: str) -> None:
         assert [(r["step"], r["saved_world_size"]) for r in resumed if r.get("event") == "resume"] == [(3, 2)]
 
 
-# LoRA adapters on packed documents, resumed on 2 ranks only (bitwise). The elastic 2 -> 3 resume is
-# proven once, on chat SFT below: what changes with the world size is the same for both data paths
+# LoRA adapters on documents run together, resumed on 2 ranks only (bitwise). The elastic 2 -> 3 resume is
+# proven once, on packed chat SFT below: what changes with the world size is the same for both data paths
 # (the GlobalSampler's split of each global batch, tests/unit/test_data.py, and the loss normaliser
 # over the global batch's trained tokens, which chat's masked targets exercise harder); both datasets
 # are plain functions of the sample index on every rank. Saves a 3-rank launch (~50 CPU-s measured).
-def test_resume_check_on_packed_documents(tmp_path, data_args):
+def test_resume_check_on_concatenated_documents(tmp_path, data_args):
     out = _resume_check(tmp_path, 2, *data_args, *LORA, f"data.files=[{EXAMPLE_DATA / 'text.jsonl'}]",
-                        "deterministic=true")
+                        "data.packing=concat", "deterministic=true")
     assert "PASS: worst relative difference 0.000e+00, tolerance 0e+00" in out
     resumed = [json.loads(line) for line in open(tmp_path / "resumed" / "metrics.jsonl")]
     assert [(r["step"], r["saved_world_size"]) for r in resumed if r.get("event") == "resume"] == [(3, 2)]
@@ -82,7 +83,7 @@ def lora_runs(data_args, base_model, tmp_path_factory) -> tuple[Path, str]:
     work = tmp_path_factory.mktemp("lora")
     return work, _resume_check(work, "2,3", *data_args, *LORA, f"model.init_from=hf:{base_model}",
                                f"data.files=[{EXAMPLE_DATA / 'chat.jsonl'}]", "data.messages_field=messages",
-                               "data.packing=false", "data.overlong=drop", "deterministic=true")
+                               "data.packing=true", "data.overlong=split", "deterministic=true")
 
 
 def test_lora_chat_sft_resumes_bitwise_and_elastically(lora_runs):

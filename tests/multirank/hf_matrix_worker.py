@@ -1,7 +1,8 @@
 """Runs on 2 gloo ranks under torchrun: for each Hugging Face folder given, trains it from
 `model=hf model.path=DIR` through fsdpkit's own run (fsdpkit.train.run.train, what `fsdpkit train`
 runs in each rank), resumes it from its step-2 checkpoint, exports it, and records what the tests
-compare with transformers itself. Usage:
+compare with transformers itself: step 1's loss, every buffer, the trained logits, and a packed
+sample's per-token losses (or the refusal to pack). Usage:
     hf_matrix_worker.py [--device cuda] OUT.json RUNS_DIR ARCH=DIR [ARCH=DIR ...]
 (an ARCH ending in `+lora` trains LoRA adapters instead). With `--device cuda` (tests/cuda) the ranks
 train on their GPU under NCCL, and transformers' reference runs on the same GPU."""
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as tdist
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -22,7 +24,10 @@ from fsdpkit import dist  # noqa: E402
 from fsdpkit.checkpoint.manager import CheckpointGroups, find_checkpoint  # noqa: E402
 from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.data import GlobalSampler, build_datasets  # noqa: E402
+from fsdpkit.data.datasets import Batch  # noqa: E402
 from fsdpkit.model import logits as model_logits  # noqa: E402
+from fsdpkit.model.isolation import packing_refusal  # noqa: E402
+from fsdpkit.train.loss import masked_loss_terms  # noqa: E402
 from fsdpkit.train.determinism import enable_determinism  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
 from fsdpkit.train.run import attach_checkpointer, build_trainer, train  # noqa: E402
@@ -43,6 +48,48 @@ def first_batch(cfg) -> torch.Tensor:
                             shuffle=cfg.data.shuffle, fingerprint=getattr(data, "fingerprint", ""))
     inputs, targets, _ = data.labeled_batch(sampler.next_global_batch())
     return torch.cat([inputs, targets[:, -1:]], dim=1)
+
+
+DOC_LENGTHS = (5, 9, 7)  # three documents packed into one sample of PACKED_LEN positions, then padding
+PACKED_LEN = 24
+
+
+def packed_sample(batch: torch.Tensor) -> tuple[list[torch.Tensor], Batch]:
+    """Three documents cut from step 1's tokens, packed into one sample as data.packing=true packs them:
+    positions restart at 0 per document, targets stop at each document's end, the tail is padding."""
+    flat, docs, at = batch.flatten(), [], 0
+    for n in DOC_LENGTHS:
+        docs.append(flat[at : at + n + 1])  # n inputs and the n-th target
+        at += n + 1
+    inputs = torch.ones(1, PACKED_LEN, dtype=torch.long)
+    targets = torch.full((1, PACKED_LEN), -100)
+    positions = torch.zeros(1, PACKED_LEN, dtype=torch.long)
+    at = 0
+    for doc in docs:
+        n = len(doc) - 1
+        inputs[0, at : at + n], targets[0, at : at + n] = doc[:-1], doc[1:]
+        positions[0, at : at + n] = torch.arange(n)
+        at += n
+    positions[0, at:] = torch.arange(PACKED_LEN - at)
+    return docs, Batch(inputs, targets, positions)
+
+
+def per_token_losses(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")[targets.flatten() != -100]
+
+
+def packing_results(model, ref, batch: torch.Tensor) -> dict:
+    """fsdpkit's forward of a packed sample against transformers' forward of each document alone,
+    per token, and the chunked loss's sum; also the same sample run together (concat)."""
+    docs, packed = packed_sample(batch)
+    on = Batch(*(t.to(DEVICE) for t in packed))
+    with torch.no_grad():
+        mine = per_token_losses(model_logits(model, on.inputs, positions=on.positions), on.targets).cpu()
+        concat = per_token_losses(model_logits(model, on.inputs), on.targets).cpu()
+        chunked = float(masked_loss_terms(model, on, chunk_tokens=4).ce_sum)
+        alone = torch.cat([per_token_losses(ref(doc[None, :-1].to(DEVICE)).logits, doc[None, 1:].to(DEVICE)).cpu()
+                           for doc in docs])
+    return {"packed": mine.tolist(), "concat": concat.tolist(), "alone": alone.tolist(), "chunked_sum": chunked}
 
 
 def trained_model(cfg, ckpt: Path):
@@ -77,6 +124,13 @@ def one(arch: str, folder: Path, runs: Path) -> dict:
     with torch.no_grad():
         logits = model_logits(model, batch[:, :-1].to(DEVICE)).float().cpu()  # [B, L, V], every rank runs it
     ref = reference_model(folder).to(DEVICE)  # built on the CPU, as from_pretrained builds it, then moved
+    # the folder's weights as fsdpkit starts from them (those of transformers' reference), sharded
+    start = compose_config(args + [f"run_dir={runs / arch / 'start'}"])
+    Path(start.run_dir).mkdir(parents=True, exist_ok=True)
+    fresh = build_trainer(start, device=DEVICE, run_dir=Path(start.run_dir))[0].model.eval()
+    refusal = packing_refusal(fresh)
+    packing = {"refused": refusal} if refusal else packing_results(fresh, ref, batch)  # every rank runs the forwards
+    del fresh
     if dist.is_main():
         records = {name: read_records(runs / arch / name) for name in ("full", "resumed")}
         out["loss"] = [r["loss"] for r in records["full"]]
@@ -94,6 +148,7 @@ def one(arch: str, folder: Path, runs: Path) -> dict:
         out["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
         torch.save(logits, runs / arch / "trained_logits.pt")
         torch.save(batch, runs / arch / "batch.pt")
+        out["packing"] = packing
         out["attn"] = ref.config._attn_implementation
         out["mine_attn"] = model.config._attn_implementation
     del trainer, model, ref

@@ -51,6 +51,28 @@ def test_first_loss_is_transformers_own_and_resume_is_bitwise(matrix, arch):
     assert results["mine_attn"] == results["attn"]  # transformers' own choice (Gemma 2: eager)
 
 
+STATEFUL = {"falcon_h1": "FalconH1Mixer", "minimax": "MiniMaxLightningAttention"}  # Mamba; lightning attention
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_packed_sample_scores_each_document_as_transformers_does_alone(matrix, arch):
+    """Three documents packed into one sample (positions restarting at 0), through fsdpkit's sharded
+    forward: every token's loss equals transformers' forward of its document alone (1e-5, fp32), and
+    the chunked loss sums them. Run together without positions (concat), the same tokens differ.
+    Models whose layers carry state across tokens outside attention refuse packing, naming the layer."""
+    results = matrix[0][arch]["packing"]
+    if arch in STATEFUL:
+        assert STATEFUL[arch] in results["refused"] and "data.packing=false" in results["refused"]
+        return
+    assert "refused" not in results, results
+    packed, alone, concat = (torch.tensor(results[k]) for k in ("packed", "alone", "concat"))
+    assert len(packed) == len(alone) == 21
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert results["chunked_sum"] == pytest.approx(float(alone.sum()), rel=1e-5)
+    first_doc = 5  # the first document has nothing before it; the others do, in one stream
+    assert (concat[first_doc:] - alone[first_doc:]).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_buffer_equals_from_pretrained(matrix, arch):
     results = matrix[0][arch]

@@ -67,7 +67,7 @@ def sampler() -> GlobalSampler:
     return GlobalSampler(num_samples=SAMPLES, global_batch_size=GLOBAL_BATCH, seed=0)
 
 
-def make_trainer(model: nn.Module, tmp_path, *, max_steps: int, train_data=None) -> Trainer:
+def make_trainer(model: nn.Module, tmp_path, *, max_steps: int, train_data=None, eval_samples: int = 2) -> Trainer:
     model = OneProcess(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     logger = logging.getLogger("fsdpkit.test_trainer_checks")
@@ -75,7 +75,7 @@ def make_trainer(model: nn.Module, tmp_path, *, max_steps: int, train_data=None)
         model=model, optimizer=optimizer, scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0),
         sampler=sampler(), train_data=train_data or corpus(0), val_data=corpus(1), state=TrainState(),
         metrics=MetricsLog(tmp_path, logger=logger, log_every=1), device=torch.device("cpu"), max_steps=max_steps,
-        micro_batch_size=MICRO, grad_clip=1.0, eval_every=0, eval_samples=2, progress=False, logger=logger)
+        micro_batch_size=MICRO, grad_clip=1.0, eval_every=0, eval_samples=eval_samples, progress=False, logger=logger)
 
 
 def llama() -> LlamaForCausalLM:
@@ -127,10 +127,22 @@ def test_trainer_warns_once_when_every_target_is_masked(tmp_path, caplog):
 
 def test_trainer_does_not_warn_on_a_run_that_trains(tmp_path, caplog):
     trainer = make_trainer(llama(), tmp_path, max_steps=FIRST_STEPS + 1)
-    with caplog.at_level(logging.WARNING, logger="fsdpkit.test_trainer_checks"):
+    with caplog.at_level(logging.INFO, logger="fsdpkit.test_trainer_checks"):
         summary = trainer.fit()
     assert summary["last_loss"] < summary["first_loss"]
     assert not [r for r in caplog.records if WARNING in r.getMessage()]
+    assert [r.getMessage() for r in caplog.records if "val_loss" in r.getMessage()][-1].startswith(
+        f"step {FIRST_STEPS + 1}  val_loss ")
+
+
+def test_no_val_loss_without_evaluation_samples(tmp_path, caplog):
+    """train.eval_samples=0: no evaluation, so no val_loss anywhere (it printed `val_loss 0.0000`)."""
+    trainer = make_trainer(llama(), tmp_path, max_steps=2, eval_samples=0)
+    with caplog.at_level(logging.INFO, logger="fsdpkit.test_trainer_checks"):
+        summary = trainer.fit()
+    assert summary["val_loss"] is None and summary["last_step"] == 2
+    assert not [r for r in caplog.records if "val_loss" in r.getMessage()]
+    assert "val_loss" not in (tmp_path / METRICS_FILE).read_text()
 
 
 def test_trainer_records_the_router_aux_loss_beside_the_cross_entropy(tmp_path):

@@ -28,7 +28,7 @@ def pieces(starts: np.ndarray, lengths: np.ndarray, *, seq_len: int,
     token, so that each of its targets is trained once (a later piece does not see the text
     before it). Documents of fewer than 2 tokens have no target and are left out.
 
-    Returns (piece starts, piece lengths, documents cut, documents dropped), in document order.
+    Returns (piece starts, piece lengths, documents truncated, documents dropped), in document order.
     """
     if overlong not in OVERLONG:
         raise ValueError(f"data.overlong must be one of {', '.join(OVERLONG)}, got {overlong!r}")
@@ -41,7 +41,7 @@ def pieces(starts: np.ndarray, lengths: np.ndarray, *, seq_len: int,
         k = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
         out_starts = starts[doc] + k * seq_len
         out_lengths = np.minimum(lengths[doc] - k * seq_len, window)
-        return out_starts.astype(np.int64), out_lengths.astype(np.int64), int(too_long.sum()), 0
+        return out_starts.astype(np.int64), out_lengths.astype(np.int64), 0, 0
     keep = (lengths > 1) & ~too_long if overlong == "drop" else lengths > 1
     return (starts[keep].astype(np.int64), np.minimum(lengths[keep], window).astype(np.int64),
             int(too_long.sum()) if overlong == "truncate" else 0, int(too_long.sum()) if overlong == "drop" else 0)
