@@ -27,8 +27,8 @@ from fsdpkit.data import GlobalSampler, build_datasets  # noqa: E402
 from fsdpkit.data.datasets import Batch  # noqa: E402
 from fsdpkit.model import logits as model_logits  # noqa: E402
 from fsdpkit.model.isolation import packing_refusal  # noqa: E402
-from fsdpkit.train.loss import masked_loss_terms  # noqa: E402
 from fsdpkit.train.determinism import enable_determinism  # noqa: E402
+from fsdpkit.train.loss import masked_loss_terms  # noqa: E402
 from fsdpkit.train.metrics import read_records  # noqa: E402
 from fsdpkit.train.run import attach_checkpointer, build_trainer, train  # noqa: E402
 from hf_folders import reference_model  # noqa: E402

@@ -7,7 +7,8 @@ whole.
                     ignore_index=-100)
 
 (the logits in the hidden states' dtype, transformed there, upcast to fp32 for the loss: the order
-transformers' models and loss use), computed `chunk` rows at a time. Each chunk's gradients with
+transformers' models and loss use), computed `chunk` rows at a time, over the rows that are trained
+on only (in chat SFT the prompts are a large share of the tokens). Each chunk's gradients with
 respect to its hidden rows, the weight and the bias are computed in the forward, while the chunk's
 logits exist, and kept (the hidden rows' gradient has the hidden states' size; the weight's is
 accumulated in fp32 and has the weight's size), so the backward only scales them by the incoming
@@ -36,6 +37,7 @@ def chunk_rows(vocab: int, chunk_tokens: int = 0) -> int:
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, transform: LogitTransform, chunk: int):
+        # hidden [N, H], weight [V, H], bias [V] or None, targets [N] (every one trained on: see below)
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grads = need_h or need_w or need_b
         grad_h = torch.empty_like(hidden) if need_h else None
@@ -43,25 +45,26 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         for a in range(0, hidden.shape[0], chunk):
-            h, t = hidden[a : a + chunk], targets[a : a + chunk]  # [C, H], [C]
+            h, t = hidden[a : a + chunk], targets[a : a + chunk, None]  # [C, H], [C, 1]
             y = transform(F.linear(h, weight, bias)).float()  # [C, V] fp32 (its own buffer unless already fp32)
-            valid = t != IGNORE_INDEX
-            safe = t.clamp(min=0)[:, None]
-            lse = torch.logsumexp(y, dim=-1)  # [C]
-            total += ((lse - y.gather(1, safe)[:, 0]) * valid).sum()
+            factor = transform.grad_factor(y) if grads else 1.0
+            logp = torch.log_softmax(y, dim=-1)
+            del y
+            total -= logp.gather(1, t).sum()
             if not grads:
                 continue
-            factor = transform.grad_factor(y)
-            g = y.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            g.scatter_add_(1, safe, torch.full_like(y[:, :1], -1.0))  # minus the one-hot target
-            g.mul_(valid[:, None])
+            g = logp.exp_()  # the softmax, in place of the log-probabilities
+            g.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=g.dtype))  # minus the one-hot target
             if not isinstance(factor, float) or factor != 1.0:
                 g.mul_(factor)
             g = g.to(hidden.dtype)  # dL/dlogits, in the logits' dtype as autograd would hold it
             if need_h:
-                grad_h[a : a + chunk] = g @ weight
+                torch.mm(g, weight, out=grad_h[a : a + chunk])
             if need_w:
-                grad_w.add_(g.t() @ h)
+                if g.dtype == grad_w.dtype:
+                    grad_w.addmm_(g.t(), h)
+                else:
+                    grad_w.add_(g.t() @ h)
             if need_b:
                 grad_b.add_(g.sum(0))
         ctx.save_for_backward(grad_h, grad_w, grad_b)
@@ -83,7 +86,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
                          chunk_tokens: int = 0) -> torch.Tensor:
     """Summed cross-entropy (fp32 scalar) of hidden [N, H] projected by weight [V, H] (+ bias [V])
     and `transform`, against targets [N] (-100: not trained on), `chunk_tokens` rows at a time
-    (0: the CHUNK_BYTES default)."""
+    (0: the CHUNK_BYTES default). Rows not trained on (prompts, padding) are left out before the
+    projection: they add nothing to the loss or the gradients."""
+    trained = targets != IGNORE_INDEX
+    if not bool(trained.all()):
+        keep = trained.nonzero()[:, 0]
+        hidden, targets = hidden.index_select(0, keep), targets.index_select(0, keep)
     hidden = hidden.to(weight.dtype)
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, transform or LogitTransform(),
                                      chunk_rows(weight.shape[0], chunk_tokens))
