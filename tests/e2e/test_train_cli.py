@@ -46,6 +46,12 @@ def test_config_errors_fail_before_any_process_starts(tmp_path):
     assert "torch.distributed" not in proc.stderr and "OMP_NUM_THREADS" not in proc.stderr
     proc = fsdpkit("train", "--nproc", "3", "train.global_batch_size=16", "train.micro_batch_size=4")
     assert proc.returncode == 2 and "not divisible by world_size (3)" in proc.stderr
+    # packing a model that carries state across tokens outside attention (Falcon-H1's Mamba mixers)
+    proc = fsdpkit("train", "--nproc", "2", "model=hf", "+model.hf_config.model_type=falcon_h1", "data=hf",
+                   "data.files=[chats.jsonl]", f"data.tokenizer={tmp_path}", f"run_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "FalconH1ForCausalLM has layers that carry state" in proc.stderr and "FalconH1Mixer" in proc.stderr
+    assert "data.packing=false" in proc.stderr and "torch.distributed" not in proc.stderr
 
 
 def test_wrap_policy_typo_fails_with_the_model_classes(tmp_path):

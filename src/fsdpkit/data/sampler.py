@@ -69,7 +69,9 @@ class GlobalSampler:
             raise ValueError(
                 f"data cursor was saved for data {state.get('fingerprint') or '(built-in)'} but this run reads "
                 f"{self.fingerprint or '(built-in)'} (different files, tokenizer, seq_len, packing or split); the "
-                "sample order would differ. Restore the data settings or start fresh (checkpoint.resume=none)"
+                "sample order would differ. Restore the data settings or start fresh (checkpoint.resume=none). A "
+                "run saved before data.packing=true kept documents apart (it ran them together) resumes with "
+                "data.packing=concat"
             )
         self.epoch, self.position, self.samples_seen = state["epoch"], state["position"], state["samples_seen"]
 
