@@ -95,7 +95,7 @@ def render(data: dict) -> str:
              f"- commit {commit}; machine: {machine()}",
              f"- command: `python bench/finetune_data.py` ({data['args']}); {data['minutes']:.0f} min", "",
              "Throughput: `fsdpkit train --nproc 2` (gloo), transformers Llama (hidden 256, 4 layers, vocab 4,096), "
-             "bf16-mixed, micro-batch 2, global batch 4, chat SFT (assistant tokens trained); trained tokens/s is the "
+             "fp32, micro-batch 2, global batch 4, chat SFT (assistant tokens trained); trained tokens/s is the "
              "trainer's own `tokens_per_s` (trained targets of the global batch per second) of every step after the "
              f"first 2 of each launch, modes alternating in {data['args']['rounds']} rounds.", ""]
     if "throughput" in data:
