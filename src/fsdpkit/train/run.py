@@ -22,6 +22,7 @@ from fsdpkit.export.model_config import read_json_object
 from fsdpkit.log import get_logger, setup_logging
 from fsdpkit.model import grow_vocab, vocab_size
 from fsdpkit.model.embeddings import check_vocab_and_tie
+from fsdpkit.model.head import output_head
 from fsdpkit.model.isolation import check_isolation, packing_refusal
 from fsdpkit.model.peft import peft_base_name
 from fsdpkit.parallel import ShardingPlan, build_sharded_model
@@ -97,6 +98,10 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path,
         log.info("initialised %d tensors from %s in %.2f s (rank 0 read %.1f MiB: its own slices)",
                  loaded["loaded"], init_from, loaded["seconds"], loaded["bytes_read"] / 2**20)
     log.info(precision_note(cfg, plan, model))
+    if cfg.train.chunked_loss and output_head(model) is None:
+        log.warning("train.chunked_loss=true, but %s's output projection cannot be taken apart from its forward (no "
+                    "separate trunk or logits_to_keep, or an lm_head that is adapted or sharded on its own): the loss "
+                    "is computed from the full [tokens, vocab] logits", type(model).__name__.removeprefix("FSDP"))
     optimizer = build_optimizer(model, cfg.optim, device=device)
     d = cfg.diagnostics
     diagnostics = start_diagnostics(model, optimizer, device=device, run_dir=run_dir, enabled=d.enabled,
