@@ -6,9 +6,11 @@ chunked loss (issue 52). Writes bench/results/finetune_data.json and bench/RESUL
    conversation per sample), true (packed, each kept apart) and concat (run together), at seq 2048
    and 4096, on a long-tailed chat corpus the bench generates (lengths drawn from a log-normal of
    median ~400 and mean ~900 tokens, p99 ~7k, as real conversation datasets). Each mode runs once
-   per round, in alternating order; figures are medians over the measured steps of all rounds
-   (the first WARMUP steps of each launch are left out), with their min-max. The padding share of
-   each mode's samples comes from the data's own start-up report; the ceiling of packing's gain
+   per round, in alternating order; a launch's figure is its trained tokens over its time, summed
+   over the steps after the first WARMUP (one conversation per sample trains a very different
+   number of tokens from step to step); figures are the median over rounds, with the min-max.
+   The padding share of each mode's samples comes from the data's own start-up report; the
+   ceiling of packing's gain
    over one conversation per sample is the ratio of their sample counts (the same trained tokens
    in fewer samples), at the fill reached and at a 95% fill.
 2. Loss memory, one process per case: the peak RSS added by the output projection, cross-entropy
@@ -19,7 +21,7 @@ chunked loss (issue 52). Writes bench/results/finetune_data.json and bench/RESUL
    at micro-batch --full-micro (the full logits at micro-batch 4 need ~13 GB per rank, more than
    this machine has for two ranks), trained tokens/s alternating in rounds.
 
-Usage: python bench/finetune_data.py [--conversations 3000] [--rounds 2] [--steps 8]
+Usage: python bench/finetune_data.py [--conversations 3000] [--rounds 5] [--steps 8]
                                      [--only throughput|loss|trainer]
 """
 
@@ -44,8 +46,7 @@ RESULTS = HERE / "results" / "finetune_data.json"
 REPORT = HERE / "RESULTS-data.md"
 WARMUP = 2
 MODES = ("false", "true", "concat")
-MODEL = ["experiment=hf_llama", "model.hf_config.hidden_size=256", "model.hf_config.intermediate_size=688",
-         "model.hf_config.num_hidden_layers=4", "model.hf_config.max_position_embeddings=8192",
+MODEL = ["experiment=hf_llama", "model.hf_config.max_position_embeddings=8192",  # hidden 128, 2 layers
          "policy.mixed_precision=fp32"]  # bf16 matmuls are slower than fp32 on this CPU
 RUN = ["train.eval_samples=0", "train.progress=false", "checkpoint.every_steps=0", "checkpoint.save_at_end=false",
        "diagnostics.memory_steps=3", "optim.warmup_steps=1"]
@@ -117,9 +118,11 @@ def launch(args: list[str], work: Path, name: str, *, timeout: float = 3600) -> 
         return {"error": f"exit {proc.returncode}: {proc.stderr[-1500:]}"}
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "tokens_per_s" in r]
+    measured = steps[WARMUP:]
+    trained = sum(r["tokens_per_s"] * r["step_time_s"] for r in measured)  # the steps' trained tokens
     peak = re.search(r"peak memory per phase.*", proc.stderr)
     over_ranks = [float(x) for x in re.findall(r"max over ranks ([\d.]+)", peak.group(0))] if peak else []
-    return {"tokens_per_s": [r["tokens_per_s"] for r in steps[WARMUP:]], "first_loss": steps[0]["loss"],
+    return {"tokens_per_s": trained / sum(r["step_time_s"] for r in measured), "first_loss": steps[0]["loss"],
             "peak_mib": max(over_ranks) if over_ranks else None, "peak_line": peak.group(0) if peak else None}
 
 
@@ -140,11 +143,11 @@ def bench_throughput(args: argparse.Namespace, work: Path) -> dict:
         for r in range(args.rounds):
             for mode in MODES[:: 1 if r % 2 == 0 else -1]:
                 got = launch([*MODEL, *RUN, *data, f"data.seq_len={seq}", f"data.packing={mode}",
-                              "train.micro_batch_size=2", "train.global_batch_size=4", f"train.max_steps={args.steps}"],
+                              "train.micro_batch_size=2", "train.global_batch_size=8", f"train.max_steps={args.steps}"],
                              work, f"seq{seq}-{mode}-{r}")
                 if "error" in got:
                     raise RuntimeError(f"seq {seq}, data.packing={mode}: {got['error']}")
-                per_mode[mode] += got["tokens_per_s"]
+                per_mode[mode].append(got["tokens_per_s"])
                 losses[mode] = got["first_loss"]
         out[str(seq)] = {"stats": stats, "tokens_per_s": {m: summary(v) for m, v in per_mode.items()},
                          "first_loss": losses}
@@ -211,7 +214,7 @@ def bench_trainer(args: argparse.Namespace, work: Path) -> dict:
                           f"train.chunked_loss={'true' if way == 'chunked' else 'false'}"], work, f"trainer-{way}-{r}")
             if "error" in got:
                 raise RuntimeError(f"trainer, {way}: {got['error']}")
-            per[way] += got["tokens_per_s"]
+            per[way].append(got["tokens_per_s"])
             peaks[way] = got["peak_mib"]
     out["ab"] = {"micro_batch": args.full_micro, "tokens_per_s": {k: summary(v) for k, v in per.items()},
                  "peak_mib": peaks}
@@ -221,7 +224,7 @@ def bench_trainer(args: argparse.Namespace, work: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--conversations", type=int, default=3000)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=8, help="steps per launch; the first 2 are warm-up")
     p.add_argument("--full-micro", type=int, default=1, help="micro-batch of the chunked/full A/B in the trainer")
     p.add_argument("--only", choices=["throughput", "loss", "trainer"])

@@ -94,10 +94,11 @@ def render(data: dict) -> str:
     lines = ["# Fine-tuning data and the loss (bench/finetune_data.py)", "",
              f"- commit {commit}; machine: {machine()}",
              f"- command: `python bench/finetune_data.py` ({data['args']}); {data['minutes']:.0f} min", "",
-             "Throughput: `fsdpkit train --nproc 2` (gloo), transformers Llama (hidden 256, 4 layers, vocab 4,096), "
-             "fp32, micro-batch 2, global batch 4, chat SFT (assistant tokens trained); trained tokens/s is the "
-             "trainer's own `tokens_per_s` (trained targets of the global batch per second) of every step after the "
-             f"first 2 of each launch, modes alternating in {data['args']['rounds']} rounds.", ""]
+             "Throughput: `fsdpkit train --nproc 2` (gloo), transformers Llama (hidden 128, 2 layers, vocab 4,096), "
+             "fp32, micro-batch 2, global batch 8, chat SFT (assistant tokens trained); a launch's trained tokens/s "
+             "is the trained targets of its steps after the first 2 over their time (from the trainer's own "
+             f"`tokens_per_s` and `step_time_s`); median (min-max) over {data['args']['rounds']} launches per mode, "
+             "the modes alternating.", ""]
     if "throughput" in data:
         lines += _throughput(data["throughput"])
     if "loss" in data:
