@@ -3,7 +3,8 @@ chunked loss (issue 52). Writes bench/results/finetune_data.json and bench/RESUL
 
 1. Throughput, 2 gloo ranks (`fsdpkit train --nproc 2`, model=hf): trained tokens/s (the metric
    `tokens_per_s`: trained targets of the global batch per second) of data.packing=false (one
-   conversation per sample), true (packed, each kept apart) and concat (run together), at seq 2048
+   conversation per sample), true (packed, each kept apart; its attention one document at a time,
+   and again with transformers' block-diagonal mask) and concat (run together), at seq 2048
    and 4096, on a long-tailed chat corpus the bench generates (lengths drawn from a log-normal of
    median ~400 and mean ~900 tokens, p99 ~7k, as real conversation datasets). Each mode runs once
    per round, in alternating order; a launch's figure is its trained tokens over its time, summed
@@ -46,6 +47,10 @@ RESULTS = HERE / "results" / "finetune_data.json"
 REPORT = HERE / "RESULTS-data.md"
 WARMUP = 2
 MODES = ("false", "true", "concat")
+# The launches: each packing mode, and packing with transformers' block-diagonal mask instead of one
+# document at a time (model.attn_implementation=sdpa): the A/B of per-document attention.
+VARIANTS = {"false": ["data.packing=false"], "true": ["data.packing=true"],
+            "true-masked": ["data.packing=true", "model.attn_implementation=sdpa"], "concat": ["data.packing=concat"]}
 MODEL = ["experiment=hf_llama", "model.hf_config.max_position_embeddings=8192",  # hidden 128, 2 layers
          "policy.mixed_precision=fp32"]  # bf16 matmuls are slower than fp32 on this CPU
 RUN = ["train.eval_samples=0", "train.progress=false", "checkpoint.every_steps=0", "checkpoint.save_at_end=false",
@@ -138,15 +143,15 @@ def bench_throughput(args: argparse.Namespace, work: Path) -> dict:
     out: dict = {}
     for seq in (2048, 4096):
         stats = corpus_stats(data, seq)
-        per_mode: dict[str, list[float]] = {m: [] for m in MODES}
+        per_mode: dict[str, list[float]] = {m: [] for m in VARIANTS}
         losses = {}
         for r in range(args.rounds):
-            for mode in MODES[:: 1 if r % 2 == 0 else -1]:
-                got = launch([*MODEL, *RUN, *data, f"data.seq_len={seq}", f"data.packing={mode}",
+            for mode in list(VARIANTS)[:: 1 if r % 2 == 0 else -1]:
+                got = launch([*MODEL, *RUN, *data, f"data.seq_len={seq}", *VARIANTS[mode],
                               "train.micro_batch_size=2", "train.global_batch_size=8", f"train.max_steps={args.steps}"],
                              work, f"seq{seq}-{mode}-{r}")
                 if "error" in got:
-                    raise RuntimeError(f"seq {seq}, data.packing={mode}: {got['error']}")
+                    raise RuntimeError(f"seq {seq}, {' '.join(VARIANTS[mode])}: {got['error']}")
                 per_mode[mode].append(got["tokens_per_s"])
                 losses[mode] = got["first_loss"]
         out[str(seq)] = {"stats": stats, "tokens_per_s": {m: summary(v) for m, v in per_mode.items()},

@@ -26,6 +26,7 @@ from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.data import GlobalSampler, build_datasets  # noqa: E402
 from fsdpkit.data.datasets import Batch  # noqa: E402
 from fsdpkit.model import logits as model_logits  # noqa: E402
+from fsdpkit.model.document_attention import use_document_attention  # noqa: E402
 from fsdpkit.model.isolation import packing_refusal  # noqa: E402
 from fsdpkit.train.determinism import enable_determinism  # noqa: E402
 from fsdpkit.train.loss import masked_loss_terms  # noqa: E402
@@ -83,13 +84,18 @@ def packing_results(model, ref, batch: torch.Tensor) -> dict:
     per token, and the chunked loss's sum; also the same sample run together (concat)."""
     docs, packed = packed_sample(batch)
     on = Batch(*(t.to(DEVICE) for t in packed))
+    out = {}
     with torch.no_grad():
         mine = per_token_losses(model_logits(model, on.inputs, positions=on.positions), on.targets).cpu()
+        if use_document_attention(model):  # what packed runs use with sdpa: one document at a time
+            out["per_document"] = per_token_losses(model_logits(model, on.inputs, positions=on.positions),
+                                                   on.targets).cpu().tolist()
         concat = per_token_losses(model_logits(model, on.inputs), on.targets).cpu()
         chunked = float(masked_loss_terms(model, on, chunk_tokens=4).ce_sum)
         alone = torch.cat([per_token_losses(ref(doc[None, :-1].to(DEVICE)).logits, doc[None, 1:].to(DEVICE)).cpu()
                            for doc in docs])
-    return {"packed": mine.tolist(), "concat": concat.tolist(), "alone": alone.tolist(), "chunked_sum": chunked}
+    return {**out, "packed": mine.tolist(), "concat": concat.tolist(), "alone": alone.tolist(),
+            "chunked_sum": chunked}
 
 
 def trained_model(cfg, ckpt: Path):

@@ -68,6 +68,10 @@ def test_a_packed_sample_scores_each_document_as_transformers_does_alone(matrix,
     packed, alone, concat = (torch.tensor(results[k]) for k in ("packed", "alone", "concat"))
     assert len(packed) == len(alone) == 21
     torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    if matrix[0][arch]["attn"] == "sdpa":  # and one document at a time, as packed runs attend with sdpa
+        torch.testing.assert_close(torch.tensor(results["per_document"]), alone, rtol=1e-5, atol=1e-5)
+    else:
+        assert "per_document" not in results
     assert results["chunked_sum"] == pytest.approx(float(alone.sum()), rel=1e-5)
     first_doc = 5  # the first document has nothing before it; the others do, in one stream
     assert (concat[first_doc:] - alone[first_doc:]).abs().max() > 1e-3

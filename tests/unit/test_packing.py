@@ -154,3 +154,53 @@ def test_the_chunked_loss_takes_the_architectures_logit_transform_and_refuses_on
         with pytest.raises(ValueError, match=r"Gemma2ForCausalLM computes its logits differently .*"
                                              r"train\.chunked_loss=false"):
             check_against_model(wrong, hidden, gemma(x, logits_to_keep=1).logits)
+
+
+@pytest.mark.parametrize(("model_type", "window", "per_document_calls"), [
+    ("llama", None, 2 * 6), ("mistral", 32, 0), ("mistral", 64, 2 * 6), ("gemma3_text", 32, 6), ("qwen3_moe", None, 12),
+    ("gpt2", None, 12)])
+def test_attention_one_document_at_a_time_equals_transformers_masked_attention(model_type, window, per_document_calls,
+                                                                               monkeypatch):
+    """The same packed sample through transformers' sdpa with its block-diagonal mask and through
+    fsdpkit's per-document sdpa: equal logits and gradients (fp32). A sliding window shorter than a
+    document keeps the mask in its layers (mistral at 32, gemma 3's sliding layer); one longer than
+    every document does not. Counted: the calls of transformers' sdpa on one document."""
+    from transformers.integrations import sdpa_attention
+
+    from fsdpkit.model import logits
+    from fsdpkit.model.document_attention import DOCUMENT_SDPA, use_document_attention
+    from hf_folders import ARCHITECTURES
+
+    torch.manual_seed(0)
+    kwargs = dict(ARCHITECTURES[model_type], attn_implementation="sdpa")
+    if window:
+        kwargs["sliding_window"] = window
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(model_type, **kwargs))
+    lengths = (17, 40, 9, 30)  # the 40-token document is longer than mistral's and gemma 3's window of 32
+    x = torch.randint(0, 512, (2, sum(lengths)))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].repeat(2, 1)
+    positions[1] = torch.cat([torch.arange(50), torch.arange(sum(lengths) - 50)])  # rows differ
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad()
+        out = logits(model, x, positions=positions)
+        out.square().mean().backward()
+        return out.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    masked, masked_grad = run()
+    assert use_document_attention(model) and model.config._attn_implementation == DOCUMENT_SDPA
+    calls = []
+    sdpa = sdpa_attention.sdpa_attention_forward
+
+    def counted(module, query, *args, **kwargs):
+        calls.append(query.shape[2] < x.shape[1])
+        return sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa_attention, "sdpa_attention_forward", counted)
+    per_document, per_document_grad = run()
+    # per layer that attends per document: 4 documents in row 0, 2 in row 1
+    assert sum(calls) == per_document_calls, calls
+    torch.testing.assert_close(per_document, masked, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(per_document_grad, masked_grad, rtol=1e-4, atol=1e-6)
+    model.config._attn_implementation = "eager"
+    assert not use_document_attention(model)  # only a model that uses sdpa

@@ -21,6 +21,7 @@ from fsdpkit.export import export_checkpoint, load_hf_weights
 from fsdpkit.export.model_config import read_json_object
 from fsdpkit.log import get_logger, setup_logging
 from fsdpkit.model import grow_vocab, vocab_size
+from fsdpkit.model.document_attention import use_document_attention
 from fsdpkit.model.embeddings import check_vocab_and_tie
 from fsdpkit.model.head import output_head
 from fsdpkit.model.isolation import check_isolation, packing_refusal
@@ -88,6 +89,12 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path,
     model, plan = build_sharded_model(cfg, device, init=init and (lora or grown or not init_from))
     if packs_documents(cfg) and (why := packing_refusal(model)):  # also under a plain torchrun launch
         raise ValueError(why)
+    # sdpa by transformers' choice (not the user's), not compiled: attend one packed document at a time
+    if packs_documents(cfg) and not cfg.model.attn_implementation and not cfg.train.compile and \
+            use_document_attention(model):
+        log.info("packed samples: attention runs one document at a time (sdpa, causal within each document: the "
+                 "sum of n^2/2 over the documents instead of a masked seq_len^2); model.attn_implementation=sdpa "
+                 "keeps transformers' block-diagonal mask")
     if init_from:
         config_json = Path(init_from).expanduser() / "config.json"
         if config_json.is_file():  # a local folder: its vocabulary and tying must be the model's
