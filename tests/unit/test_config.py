@@ -204,12 +204,12 @@ def test_ckpt_commands_refuse_urls(capsys):
 @pytest.mark.parametrize(
     ("argv", "code", "expected"),
     [
-        (["config", "show", "--config-dir", "{dir}", "experiment=odd_batch", "train.max_steps=9"], 0,
-         "global_batch_size: 3\n  micro_batch_size: 1"),
-        (["train", "experiment=odd_batch", "--config-dir", "{dir}", "train.max_steps=9", "--nproc", "2"], 2,
-         "global_batch_size=3 is not divisible by world_size (2)"),
-        (["resume-check", "experiment=odd_batch", "--nproc", "2", "--config-dir", "{dir}", "train.log_every=2"], 2,
-         "the first runs on 2 rank(s) (--nproc): train.global_batch_size=3 is not divisible"),
+        (["config", "show", "--config-dir", "{dir}", "experiment=tiny_batch", "train.max_steps=9"], 0,
+         "global_batch_size: 1\n  micro_batch_size: 1"),
+        (["train", "experiment=tiny_batch", "--config-dir", "{dir}", "train.max_steps=9", "--nproc", "2"], 2,
+         "train.global_batch_size=1 is smaller than the world size (2 ranks)"),
+        (["resume-check", "experiment=tiny_batch", "--nproc", "2", "--config-dir", "{dir}", "train.log_every=2"], 2,
+         "the first runs on 2 rank(s) (--nproc): train.global_batch_size=1 is smaller than the world size"),
     ],
     ids=["config-show", "train", "resume-check"],
 )
@@ -217,8 +217,8 @@ def test_config_dir_is_accepted_between_overrides(tmp_path, capsys, argv, code, 
     from fsdpkit.cli.main import main
 
     (tmp_path / "experiment").mkdir()
-    (tmp_path / "experiment" / "odd_batch.yaml").write_text(
-        "# @package _global_\ntrain:\n  global_batch_size: 3\n  micro_batch_size: 1\n")
+    (tmp_path / "experiment" / "tiny_batch.yaml").write_text(
+        "# @package _global_\ntrain:\n  global_batch_size: 1\n  micro_batch_size: 1\n")
     assert main([arg.format(dir=tmp_path) for arg in argv]) == code
     out, err = capsys.readouterr()
     assert expected in (out if code == 0 else err), out + err

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from fsdpkit.config import compose_config
-from fsdpkit.data import GlobalSampler, build_datasets, eval_micro_batches, rank_micro_batches
+from fsdpkit.data import GlobalSampler, build_datasets, describe_split, eval_micro_batches, rank_micro_batches
 
 
 def test_global_order_is_identical_for_any_world_size():
@@ -44,6 +44,15 @@ def test_every_rank_takes_its_share_in_the_same_number_of_micro_batches(global_b
                 sizes = [len(micro) for micro in part]
                 assert max(sizes) <= mb and max(sizes) - min(sizes) <= 1, where
                 assert min(sizes) > 0 or sum(sizes) < steps, where  # empty only when the share is short
+
+
+def test_the_start_up_log_states_the_split():
+    assert describe_split(16, world_size=3, micro_batch_size=4) == (
+        "global batch: 16 samples per step over 3 rank(s), 2 micro-batch(es) per rank of at most 4 "
+        "(train.micro_batch_size): 6 on rank 0 (3+3), 5 on ranks 1-2 (3+2)")
+    assert describe_split(5, world_size=3, micro_batch_size=1).endswith(
+        "2 on ranks 0-1 (1+1), 1 on rank 2 (1+0); an empty micro-batch runs with its loss weighted 0")
+    assert describe_split(64, world_size=2, micro_batch_size=4).endswith("32 on each rank (8x4)")
 
 
 def test_a_global_batch_smaller_than_the_world_is_refused():
