@@ -134,8 +134,8 @@ def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int | list[i
         before_resume: called with each resumed run's directory just before it is resumed.
             Tests use it to delete the checkpoints there and see the check fail.
     Raises:
-        ValueError: bad step numbers, a resumed config that cannot run on a resume world size,
-            several world sizes with a checkpoint.dir outside run_dir, or `work_dir` already holds
+        ValueError: what check_before_running refuses (bad step numbers, a config that cannot run
+            on --nproc or a resume world size), several world sizes with a checkpoint.dir outside run_dir, or `work_dir` already holds
             runs of an earlier check.
     """
     sizes = [resume_nproc] if isinstance(resume_nproc, int) else list(dict.fromkeys(resume_nproc))
