@@ -140,13 +140,24 @@ def _make_targets() -> set[str]:
 
 
 def _torchrun_to_fsdpkit(argv: tuple[str, ...]) -> tuple[list[str], int, int] | None:
-    """(fsdpkit's argv, world size, ranks per node) of `torchrun ... -m fsdpkit ...`; None for
-    another script (examples/*.py take their own flags)."""
+    """(fsdpkit's argv, world size, ranks per node) of `torchrun ... -m fsdpkit ...`; None for a
+    script of this repository (examples/*.py), once it is found and declares every flag given.
+
+    Raises:
+        ValueError: no such script, or a flag it does not declare."""
     from torch.distributed.run import get_args_parser
 
     args = get_args_parser().parse_args(list(argv[1:]))
-    if not (args.module and args.training_script == "fsdpkit"):
+    if not args.module:
+        script = ROOT / args.training_script
+        if not script.is_file():
+            raise ValueError(f"{args.training_script} is no file of this repository")
+        unknown = [f for f in args.training_script_args if f.startswith("--") and f'"{f}"' not in script.read_text()]
+        if unknown:
+            raise ValueError(f"{args.training_script} declares no {unknown}")
         return None
+    if args.training_script != "fsdpkit":
+        raise ValueError(f"torchrun -m {args.training_script}: only -m fsdpkit is checked here")
     nodes = int(str(args.nnodes).split(":")[-1])  # "2" or "1:4" (elastic: the most)
     per_node = int(args.nproc_per_node)
     return ["fsdpkit", *args.training_script_args], nodes * per_node, per_node
