@@ -1,6 +1,6 @@
-"""The documentation site: it builds with no warning, its generated reference names every config
-option, CLI flag, environment variable and public name of fsdpkit.checkpoint, and the snippets
-marked runnable in docs/ run.
+"""The documentation site: it builds with no warning, its reference (committed in docs/reference/,
+current with the code) names every config option, CLI flag, environment variable and public name of
+fsdpkit.checkpoint, and the snippets marked runnable in docs/ run.
 
 A snippet is runnable when the line before its fence is `<!-- runnable -->`; the blocks of one page
 run in order in one fresh directory (a later block may use what an earlier one wrote), `bash` blocks
@@ -59,6 +59,14 @@ def _page(site: Path, name: str) -> str:
 def test_the_site_builds_strictly(site):
     for page in ("index.html", "checkpoint-format/index.html", "results/index.html", "reference/cli/index.html"):
         assert (site / page).is_file(), page
+
+
+def test_the_committed_reference_pages_are_current():
+    """docs/reference/*.md, readable in the repository, are what the code gives now."""
+    hooks = _hooks()
+    stale = [name for name, build in hooks.PAGES.items()
+             if not (DOCS / "reference" / name).is_file() or (DOCS / "reference" / name).read_text() != build() + "\n"]
+    assert not stale, f"docs/reference/{stale} differ from the code: run `make reference` and commit them"
 
 
 def test_every_config_option_is_in_the_reference(site):
