@@ -135,8 +135,8 @@ def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int | list[i
             Tests use it to delete the checkpoints there and see the check fail.
     Raises:
         ValueError: what check_before_running refuses (bad step numbers, a config that cannot run
-            on --nproc or a resume world size), several world sizes with a checkpoint.dir outside run_dir, or `work_dir` already holds
-            runs of an earlier check.
+            on --nproc or a resume world size), several world sizes with a checkpoint.dir outside
+            run_dir, or `work_dir` already holds runs of an earlier check.
     """
     sizes = [resume_nproc] if isinstance(resume_nproc, int) else list(dict.fromkeys(resume_nproc))
     check_before_running(overrides=overrides, nproc=nproc, resume_nproc=sizes, steps=steps, save_at=save_at,
