@@ -131,14 +131,16 @@ def describe_split(global_batch_size: int, *, world_size: int, micro_batch_size:
     def ranks(r: list[int]) -> str:
         return "each rank" if len(r) == world_size > 1 else f"rank {r[0]}" if len(r) == 1 else f"ranks {r[0]}-{r[-1]}"
 
-    def sizes(share: int) -> str:
-        base, extra = divmod(share, steps)
-        parts = [base + 1] * extra + [base] * (steps - extra)
+    batch = list(range(global_batch_size))
+
+    def sizes(rank: int) -> str:
+        parts = [len(m) for m in rank_micro_batches(batch, rank=rank, world_size=world_size,
+                                                    micro_batch_size=micro_batch_size)]
         if steps <= 4:
             return "+".join(map(str, parts))
         return " + ".join(f"{parts.count(n)}x{n}" for n in dict.fromkeys(parts))
 
-    shares = ", ".join(f"{share} on {ranks(r)} ({sizes(share)})" for share, r in groups.items())
+    shares = ", ".join(f"{share} on {ranks(r)} ({sizes(r[0])})" for share, r in groups.items())
     empty = "; an empty micro-batch runs with its loss weighted 0" if min(groups) < steps else ""
     return (f"global batch: {global_batch_size} samples per step over {world_size} rank(s), {steps} micro-batch(es) "
             f"per rank of at most {micro_batch_size} (train.micro_batch_size): {shares}{empty}")
