@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-cuda multinode chaos bench bench-gpu lint clean docs docs-serve
+.PHONY: demo test test-cuda multinode chaos bench bench-gpu lint clean docs docs-serve reference
 
 $(STAMP): pyproject.toml constraints.txt
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
@@ -26,10 +26,14 @@ test: $(STAMP)
 	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The documentation site (MkDocs + Material): built with warnings as errors (a broken link, a missing
-# page or a stale reference fails); the reference pages are generated from the code (docs/hooks.py).
-# tests/unit/test_docs.py runs the same build in `make test`.
+# page fails). tests/unit/test_docs.py runs the same build in `make test`.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+# The reference pages (config options, CLI, environment variables, Python API), written from the code
+# into docs/reference/ and committed; tests/unit/test_docs.py fails when they are stale.
+reference: $(STAMP)
+	$(BIN)/python docs/hooks.py
 
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve

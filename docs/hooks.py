@@ -1,18 +1,23 @@
-"""MkDocs hook: the reference pages are written from the code at every build, so they cannot drift.
+"""The reference pages, written from the code, so they cannot drift.
 
 - reference/config.md: every config option, from the typed schema (fsdpkit.config.docs.iter_options,
   what `fsdpkit config docs` prints);
 - reference/cli.md: every command and flag, from the argparse parsers of the `fsdpkit` command;
 - reference/environment.md: every FSDPKIT_* variable, from fsdpkit.tunables.table();
-- reference/api.md: one mkdocstrings block per name of fsdpkit.checkpoint.__all__ (the docstrings).
+- reference/api.md: every name of fsdpkit.checkpoint.__all__ (and its classes' public methods),
+  signature and docstring.
 
-tests/unit/test_docs.py imports these functions and checks that nothing is missing from them.
+They are committed under docs/reference/, readable in the repository: `make reference` (`python
+docs/hooks.py`) writes them, and tests/unit/test_docs.py fails when one differs from what the code
+gives now. On the built site (this module is also the MkDocs hook), the API page is rendered from
+the same docstrings by mkdocstrings instead. test_docs.py also checks that nothing is missing.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
 import sys
 from pathlib import Path
@@ -21,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))  # the checkout's own code, not an installed copy
 
-GENERATED_NOTE = "*Generated from the code at every docs build ({source}); do not edit.*\n"
+GENERATED_NOTE = "*Generated from {source} by `make reference`; do not edit.*\n"
 
 
 def _cell(text: str) -> str:
@@ -85,6 +90,20 @@ def _argument_rows(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def cli_page() -> str:
+    # argparse wraps usage lines at the terminal's width (COLUMNS): a fixed one, so that the page
+    # is the same wherever it is written
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "120"
+    try:
+        return _cli_page()
+    finally:
+        if columns is None:
+            del os.environ["COLUMNS"]
+        else:
+            os.environ["COLUMNS"] = columns
+
+
+def _cli_page() -> str:
     out = ["# CLI", "", GENERATED_NOTE.format(source="the argparse parsers of src/fsdpkit/cli"),
            "Every command prints the same with `--help`.", ""]
     for path, parser in cli_commands():
@@ -163,32 +182,87 @@ def api_names() -> dict[str, str]:
     return out
 
 
+def _api_entry(qualname: str, obj: object, module: str, level: int) -> list[str]:
+    """A heading, the signature and the docstring of `obj`."""
+    import inspect
+
+    try:
+        signature = f"{qualname.rsplit('.', 1)[-1]}{inspect.signature(obj)}"
+    except (TypeError, ValueError):  # a constant, or a builtin without one
+        signature = f"{qualname.rsplit('.', 1)[-1]} = {obj!r}"
+    signature = re.sub(r" at 0x[0-9a-f]+>", ">", signature)  # a sentinel default: no address, the same every time
+    doc = inspect.getdoc(obj) if callable(obj) else ""
+    heading = f"{'#' * level} `{qualname}`" + (f" ({module})" if level == 2 else "")
+    return [heading, "", "```python", signature, "```", "", *(["```text", doc, "```", ""] if doc else [])]
+
+
 def api_page() -> str:
+    """The API page as committed: plain markdown, readable in the repository."""
+    import inspect
+
     import fsdpkit.checkpoint as package
 
-    names = api_names()
+    out = ["# Python API: `fsdpkit.checkpoint`", "",
+           GENERATED_NOTE.format(source="the docstrings of src/fsdpkit/checkpoint"),
+           "Import every name below from `fsdpkit.checkpoint` (e.g. `from fsdpkit.checkpoint import "
+           "Checkpointer`); each heading names the module that defines it. A walk-through: "
+           "[your own loop with Checkpointer](../tutorials/own-loop.md).", "",
+           "```text", (package.__doc__ or "").strip(), "```", ""]
+    for name, module in api_names().items():
+        obj = getattr(package, name)
+        out += _api_entry(name, obj, module, 2)
+        if inspect.isclass(obj) and not issubclass(obj, BaseException):
+            for method, member in inspect.getmembers(obj, callable):
+                if not method.startswith("_") and method in vars(obj):
+                    out += _api_entry(f"{name}.{method}", member, module, 3)
+    return "\n".join(out)
+
+
+def api_site_page() -> str:
+    """The API page of the built site: the same docstrings, rendered by mkdocstrings."""
+    import fsdpkit.checkpoint as package
+
     out = ["# Python API: `fsdpkit.checkpoint`", "",
            GENERATED_NOTE.format(source="the docstrings of src/fsdpkit/checkpoint"),
            "Import every name below from `fsdpkit.checkpoint` (e.g. `from fsdpkit.checkpoint import "
            "Checkpointer`); the headings name the module that defines it. A walk-through: "
            "[your own loop with Checkpointer](../tutorials/own-loop.md).", "",
            "```text", (package.__doc__ or "").strip(), "```", ""]
-    for name, module in names.items():
+    for name, module in api_names().items():
         out += [f"::: {module}.{name}", ""]
     return "\n".join(out)
 
 
+REFERENCE = Path(__file__).resolve().parent / "reference"
 PAGES = {
-    "reference/config.md": config_page,
-    "reference/cli.md": cli_page,
-    "reference/environment.md": environment_page,
-    "reference/api.md": api_page,
+    "config.md": config_page,
+    "cli.md": cli_page,
+    "environment.md": environment_page,
+    "api.md": api_page,
 }
+
+
+def write_reference() -> list[Path]:
+    """Write every committed reference page; returns the ones that changed."""
+    changed = []
+    for name, build in PAGES.items():
+        path, text = REFERENCE / name, build() + "\n"
+        if not path.is_file() or path.read_text() != text:
+            path.write_text(text)
+            changed.append(path)
+    return changed
 
 
 def on_files(files, config):
     from mkdocs.structure.files import File
 
-    for uri, build in PAGES.items():
-        files.append(File.generated(config, uri, content=build()))
+    uri = "reference/api.md"
+    files.remove(files.get_file_from_path(uri))
+    files.append(File.generated(config, uri, content=api_site_page()))
     return files
+
+
+if __name__ == "__main__":
+    REFERENCE.mkdir(exist_ok=True)
+    for path in write_reference():
+        print(f"wrote {path.relative_to(ROOT)}")

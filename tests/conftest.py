@@ -181,10 +181,11 @@ def fsdpkit(*args: str, timeout: float = 600, cwd: Path | None = None,
 
 @pytest.fixture(scope="session")
 def training_results(tmp_path_factory) -> dict[int, dict]:
-    """The scenarios of tests/multirank/train_worker.py at world sizes 1, 2 and 4, run once per session."""
+    """The scenarios of tests/multirank/train_worker.py at world sizes 1, 2, 3 (the uneven global
+    batches only) and 4, run once per session."""
     out = tmp_path_factory.mktemp("training")
     results = {}
-    for ws in (1, 2, 4):
+    for ws in (1, 2, 3, 4):
         path = out / f"ws{ws}.json"
         torchrun(ws, ROOT / "tests" / "multirank" / "train_worker.py", str(path), str(out / f"runs{ws}"))
         results[ws] = json.loads(path.read_text())

@@ -61,6 +61,7 @@ def test_resume_check_validates_the_resumed_mesh_before_running_anything(tmp_pat
     assert ("the resumed run on 3 rank(s): strategy.hsdp_shard_size=2 does not divide the world size 3" in err
             and "--resume-overrides strategy.sharding_strategy=FULL_SHARD" in err), err
     # The overrides reach the resumed run's config (here a bad value, so that nothing runs).
-    assert main([*common, "--resume-overrides", "strategy.sharding_strategy=FULL_SHARD train.micro_batch_size=5"]) == 2
-    assert "the resumed run on 3 rank(s): train.global_batch_size=12 is not divisible" in capsys.readouterr().err
+    assert main([*common, "--resume-overrides", "strategy.sharding_strategy=FULL_SHARD train.global_batch_size=2"]) == 2
+    assert "the resumed run on 3 rank(s): train.global_batch_size=2 is smaller than the world size" in \
+        capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # no run was started

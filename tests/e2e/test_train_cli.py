@@ -26,6 +26,7 @@ def test_train_nproc_2_writes_run_directory(tmp_path):
                    f"run_dir={run_dir}")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "world size 2" in proc.stderr and f"run directory: {run_dir}" in proc.stderr
+    assert "global batch: 16 samples per step over 2 rank(s), 2 micro-batch(es) per rank of at most 4" in proc.stderr
     assert "resolved config" in proc.stderr and "sharding_strategy: FULL_SHARD" in proc.stderr
     assert "precision: policy.mixed_precision='fp32'" in proc.stderr
     assert {p.name for p in run_dir.iterdir()} >= {"config.yaml", "metrics.jsonl", "summary.json"}
@@ -44,8 +45,8 @@ def test_config_errors_fail_before_any_process_starts(tmp_path):
     assert proc.returncode == 2
     assert "unknown config key 'train.bogus'" in proc.stderr
     assert "torch.distributed" not in proc.stderr and "OMP_NUM_THREADS" not in proc.stderr
-    proc = fsdpkit("train", "--nproc", "3", "train.global_batch_size=16", "train.micro_batch_size=4")
-    assert proc.returncode == 2 and "not divisible by world_size (3)" in proc.stderr
+    proc = fsdpkit("train", "--nproc", "3", "train.global_batch_size=2", "train.micro_batch_size=4")
+    assert proc.returncode == 2 and "train.global_batch_size=2 is smaller than the world size (3 ranks)" in proc.stderr
     # packing a model that carries state across tokens outside attention (Falcon-H1's Mamba mixers)
     proc = fsdpkit("train", "--nproc", "2", "model=hf", "+model.hf_config.model_type=falcon_h1", "data=hf",
                    "data.files=[chats.jsonl]", f"data.tokenizer={tmp_path}", f"run_dir={tmp_path / 'run'}")

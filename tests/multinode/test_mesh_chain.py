@@ -54,8 +54,9 @@ def test_hsdp_on_two_launchers_resumes_under_full_shard_3_no_shard_2_and_back(tm
 
 
 def test_resume_check_hsdp_2x2_resumed_under_full_shard_on_3(tmp_path):
+    # as docs/how-to/resume-elsewhere.md writes it (resume-check sets its own steps and save cadence)
     proc = fsdpkit("resume-check", "--nproc", "4", "--resume-nproc", "3", "--steps", "8", "--save-at", "4",
-                   *ARGS[:-1], *HSDP_2X2, "--resume-overrides", "strategy.sharding_strategy=FULL_SHARD",
+                   *ARGS, *HSDP_2X2, "--resume-overrides", "strategy.sharding_strategy=FULL_SHARD",
                    "--work-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     print(proc.stdout)

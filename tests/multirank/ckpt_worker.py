@@ -6,7 +6,8 @@ Phases (run in this order by the tests, sharing WORK_DIR):
        for elastic loads
   ws4: loads the 2-rank checkpoint (2->4); saves a 4-rank checkpoint
   ws2b: loads the 4-rank checkpoint (4->2)
-  ws3: loads the 4-rank (4->3) and 2-rank (2->3) checkpoints
+  ws3: loads the 4-rank (4->3) and 2-rank (2->3) checkpoints; a global batch of 14 (uneven shares)
+       resumes bit-identically on the same 3 ranks
 Across meshes (sharding strategies): HSDP 2x2 saved on 4 ranks resumes under NO_SHARD on 2 (ws2b),
 whose own checkpoint resumes under FULL_SHARD on 3 (ws3), as does the HSDP one; FULL_SHARD on 4
 resumes under HSDP 2x2 (ws4).
@@ -145,6 +146,20 @@ def elastic_load(work: Path, source: str, tag: str, overrides: tuple[str, ...] |
                    dump_final_to=work / "dumps" / f"saved_{tag}.pt" if stop_at else None)
 
 
+# 14 samples over 3 ranks: shares of 5, 5 and 4 samples, each in 2 micro-batches (3+2, 3+2, 2+2)
+UNEVEN = ["train.global_batch_size=14", "train.micro_batch_size=3", "train.max_steps=6"]
+
+
+def uneven_resume(work: Path) -> dict:
+    """A global batch that does not divide the world: the run killed after step 3 resumes on the
+    same 3 ranks bit-identically."""
+    res = {"uneven_full": session(work / "uneven_full", UNEVEN)}
+    run = work / "uneven_resumed"
+    res["uneven_parts"] = [session(run, [*UNEVEN, "checkpoint.every_steps=3"], stop_at=3),
+                           session(run, [*UNEVEN, "checkpoint.every_steps=3"])]
+    return res
+
+
 def phase_meshes(phase: str, work: Path) -> dict:
     """The checkpoints that change sharding strategy (and world size) on resume."""
     if phase == "ws4":
@@ -176,7 +191,8 @@ def main() -> None:
         res["src4"] = session(work / "src4", ["checkpoint.every_steps=6"], stop_at=6,
                               dump_final_to=work / "dumps" / "saved_ws4.pt")
     elif phase == "ws3":
-        res = {"4to3": elastic_load(work, "src4", "4to3"), "2to3": elastic_load(work, "src2", "2to3")}
+        res = uneven_resume(work)
+        res |= {"4to3": elastic_load(work, "src4", "4to3"), "2to3": elastic_load(work, "src2", "2to3")}
     elif phase == "ws2b":
         res = {"4to2": elastic_load(work, "src4", "4to2")}
     else:

@@ -45,6 +45,16 @@ def test_same_world_size_resume_is_bit_identical(ckpt, precision):
         assert resumed == by_step(res[f"{precision}_full"], key)  # exact float equality, every step
 
 
+def test_uneven_global_batch_resumes_bit_identically_at_the_same_world_size(ckpt):
+    res, _ = ckpt
+    parts = res["uneven_parts"]
+    assert [p["start"] for p in parts] == [0, 3] and parts[1]["resumed_from"].endswith("step_3")
+    for key in ("loss", "grad_norm"):
+        resumed = {s: v for p in parts for s, v in by_step(p, key).items()}
+        assert resumed == by_step(res["uneven_full"], key)  # exact float equality, every step
+        assert sorted(resumed) == list(range(1, 7))
+
+
 @pytest.mark.parametrize(("tag", "source"), [("2to4", 2), ("4to3", 4), ("2to3", 2), ("4to2", 4)])
 def test_elastic_resume_restores_state_bitwise_and_continues(ckpt, tag, source):
     res, work = ckpt

@@ -49,6 +49,21 @@ def test_every_strategy_trains_on_4_ranks_like_the_reference(training_results, s
     assert abs(run["val_loss"] - ref["val_loss"]) / ref["val_loss"] < FP32_RTOL
 
 
+@pytest.mark.parametrize("name", ["uneven7", "uneven5"])
+def test_a_global_batch_that_divides_no_world_size_trains_alike_on_1_2_and_3_ranks(training_results, name):
+    """The same global batches (train_worker.UNEVEN: uneven shares, micro-batches of unequal sizes,
+    empty ones) on 1, 2 and 3 ranks give the single-process reference's losses, gradient norms and
+    val_loss: no sample dropped, none counted twice, the empty micro-batches add nothing."""
+    ref = training_results[1][f"{name}_reference"]
+    for ws in (1, 2, 3):
+        run = training_results[ws][name]
+        assert len(run["loss"]) == 4, ws
+        assert max_rel(run["loss"], ref["loss"]) < FP32_RTOL, ws
+        assert max_rel(run["grad_norm"], ref["grad_norm"]) < FP32_RTOL, ws
+        assert abs(run["val_loss"] - ref["val_loss"]) / ref["val_loss"] < FP32_RTOL, ws
+    assert min(ref["grad_norm"]) > 0.5  # clipping (grad_clip=0.5) was active
+
+
 def test_clipping_was_active_in_the_equivalence_runs(training_results):
     # grad_clip=0.5 in the worker: the reference's pre-clip norms exceed it, so clipping mattered.
     assert min(training_results[1]["reference"]["grad_norm"]) > 0.5

@@ -1,5 +1,6 @@
 """Runs on N gloo ranks under torchrun; trains several configs in one process group and writes
-what the tests assert on to a JSON file (rank 0). Usage: train_worker.py OUT.json RUNS_DIR."""
+what the tests assert on to a JSON file (rank 0). Usage: train_worker.py OUT.json RUNS_DIR.
+On 3 ranks only the uneven global batches run."""
 
 from __future__ import annotations
 
@@ -46,12 +47,25 @@ def train(name: str, overrides: list[str], runs: Path) -> dict:
     return out
 
 
+# Global batches that divide neither 2 nor 3 ranks x micro-batches: 7 in micro-batches of at most 3
+# (1 rank: 3+2+2; 2 ranks: 2+2 | 2+1; 3 ranks: 3 | 2 | 2), 5 in micro-batches of 1 (2 ranks: 1+1+1 |
+# 1+1+empty; 3 ranks: 1+1 | 1+1 | 1+empty): uneven shares, unequal and empty micro-batches.
+UNEVEN = {"uneven7": ["train.global_batch_size=7", "train.micro_batch_size=3", "train.max_steps=4"],
+          "uneven5": ["train.global_batch_size=5", "train.micro_batch_size=1", "train.max_steps=4"]}
+
+
 def main() -> None:
     out_path, runs = Path(sys.argv[1]), Path(sys.argv[2])
     enable_determinism()
     dist.init_process_group(backend="gloo")
     ws = dist.world_size()
     results: dict = {}
+    for name, overrides in UNEVEN.items():
+        results[name] = train(name, overrides, runs)
+        if ws == 1:
+            results[f"{name}_reference"] = reference_run(compose_config(BASE + overrides))
+    if ws == 3:  # only the uneven batches
+        finish(results, out_path)
     results["fp32"] = train("fp32", [], runs)
     if ws != 2:  # 1 rank x 8 micro-batches against 4 ranks x 2
         results["accum"] = train("accum", ["train.global_batch_size=8", "train.micro_batch_size=1"], runs)
@@ -78,7 +92,11 @@ def main() -> None:
               "++model.hf_config.attention_dropout=0.2"]
         results["hf"] = train("hf", hf, runs)
         results["hf_ac"] = train("hf_ac", [*hf, "policy.activation_checkpointing_policy=[auto]"], runs)
-    gathered = [None] * ws
+    finish(results, out_path)
+
+
+def finish(results: dict, out_path: Path) -> None:
+    gathered = [None] * dist.world_size()
     tdist.all_gather_object(gathered, {k: v.get("local_mib") for k, v in results.items() if isinstance(v, dict)})
     results["local_mib_by_rank"] = gathered
     if dist.is_main():

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fsdpkit.config import accumulation_steps, check_world_size, compose_config
+from fsdpkit.config import check_world_size, compose_config
 from fsdpkit.config.docs import field_docs
 from fsdpkit.config.schema import Config
 
@@ -126,11 +126,13 @@ def test_lora_settings_without_lora_method_are_refused(overrides, named):
     assert cfg.model.peft.method == "lora"
 
 
-def test_batch_must_divide_world_times_micro_batch():
+def test_a_global_batch_runs_at_any_world_size_it_can_share():
     cfg = compose_config(["train.global_batch_size=16", "train.micro_batch_size=4"])
-    assert accumulation_steps(cfg, 2) == 2
-    with pytest.raises(ValueError, match=r"global_batch_size=16 is not divisible by world_size \(3\)"):
-        check_world_size(cfg, 3)
+    for world_size in (1, 2, 3, 5, 7, 8, 16):
+        check_world_size(cfg, world_size)
+    with pytest.raises(ValueError, match=r"^train.global_batch_size=16 is smaller than the world size \(17 ranks\): "
+                                         r"every rank needs .*set train.global_batch_size to at least 17"):
+        check_world_size(cfg, 17)
 
 
 def test_hybrid_shard_group_must_divide_world():
@@ -202,12 +204,12 @@ def test_ckpt_commands_refuse_urls(capsys):
 @pytest.mark.parametrize(
     ("argv", "code", "expected"),
     [
-        (["config", "show", "--config-dir", "{dir}", "experiment=odd_batch", "train.max_steps=9"], 0,
-         "global_batch_size: 3\n  micro_batch_size: 1"),
-        (["train", "experiment=odd_batch", "--config-dir", "{dir}", "train.max_steps=9", "--nproc", "2"], 2,
-         "global_batch_size=3 is not divisible by world_size (2)"),
-        (["resume-check", "experiment=odd_batch", "--nproc", "2", "--config-dir", "{dir}", "train.log_every=2"], 2,
-         "the resumed run on 2 rank(s): train.global_batch_size=3 is not divisible"),
+        (["config", "show", "--config-dir", "{dir}", "experiment=tiny_batch", "train.max_steps=9"], 0,
+         "global_batch_size: 1\n  micro_batch_size: 1"),
+        (["train", "experiment=tiny_batch", "--config-dir", "{dir}", "train.max_steps=9", "--nproc", "2"], 2,
+         "train.global_batch_size=1 is smaller than the world size (2 ranks)"),
+        (["resume-check", "experiment=tiny_batch", "--nproc", "2", "--config-dir", "{dir}", "train.log_every=2"], 2,
+         "the first runs on 2 rank(s) (--nproc): train.global_batch_size=1 is smaller than the world size"),
     ],
     ids=["config-show", "train", "resume-check"],
 )
@@ -215,8 +217,8 @@ def test_config_dir_is_accepted_between_overrides(tmp_path, capsys, argv, code, 
     from fsdpkit.cli.main import main
 
     (tmp_path / "experiment").mkdir()
-    (tmp_path / "experiment" / "odd_batch.yaml").write_text(
-        "# @package _global_\ntrain:\n  global_batch_size: 3\n  micro_batch_size: 1\n")
+    (tmp_path / "experiment" / "tiny_batch.yaml").write_text(
+        "# @package _global_\ntrain:\n  global_batch_size: 1\n  micro_batch_size: 1\n")
     assert main([arg.format(dir=tmp_path) for arg in argv]) == code
     out, err = capsys.readouterr()
     assert expected in (out if code == 0 else err), out + err

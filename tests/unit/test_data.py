@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from fsdpkit.config import compose_config
-from fsdpkit.data import GlobalSampler, build_datasets, eval_micro_batches, rank_micro_batches
+from fsdpkit.data import GlobalSampler, build_datasets, describe_split, eval_micro_batches, rank_micro_batches
 
 
 def test_global_order_is_identical_for_any_world_size():
-    for ws, mb in [(1, 8), (2, 4), (4, 1), (8, 1)]:
+    for ws, mb in [(1, 8), (2, 4), (4, 1), (8, 1), (3, 4), (3, 1), (5, 2), (7, 3)]:
         s = GlobalSampler(num_samples=100, global_batch_size=8, seed=3)
         seen = []
         for _ in range(30):  # crosses epoch boundaries (12 full batches per epoch)
@@ -20,6 +22,42 @@ def test_global_order_is_identical_for_any_world_size():
         if ws == 1:
             expected = seen
         assert seen == expected
+
+
+@pytest.mark.parametrize("global_batch_size", [1, 2, 3, 4, 5, 7, 12, 16, 17, 31, 64])
+def test_every_rank_takes_its_share_in_the_same_number_of_micro_batches(global_batch_size):
+    """The split at any world size, against its definition: contiguous shares in rank order that
+    differ by at most one sample; on every rank ceil(ceil(G / W) / micro) micro-batches of at most
+    `micro` samples, whose sizes differ by at most one (empty ones only where a share is shorter)."""
+    batch = [100 + 3 * i for i in range(global_batch_size)]  # sample ids unlike positions
+    for ws in range(1, global_batch_size + 1):
+        for mb in (1, 2, 3, 4, 8):
+            parts = [rank_micro_batches(batch, rank=r, world_size=ws, micro_batch_size=mb) for r in range(ws)]
+            shares = [[i for micro in part for i in micro] for part in parts]
+            where = f"G={global_batch_size} W={ws} micro={mb}: {parts}"
+            assert [i for share in shares for i in share] == batch, where
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1, where
+            assert sorted((len(s) for s in shares), reverse=True) == [len(s) for s in shares], where
+            steps = math.ceil(math.ceil(global_batch_size / ws) / mb)
+            assert {len(part) for part in parts} == {steps}, where
+            for part in parts:
+                sizes = [len(micro) for micro in part]
+                assert max(sizes) <= mb and max(sizes) - min(sizes) <= 1, where
+                assert min(sizes) > 0 or sum(sizes) < steps, where  # empty only when the share is short
+
+
+def test_the_start_up_log_states_the_split():
+    assert describe_split(16, world_size=3, micro_batch_size=4) == (
+        "global batch: 16 samples per step over 3 rank(s), 2 micro-batch(es) per rank of at most 4 "
+        "(train.micro_batch_size): 6 on rank 0 (3+3), 5 on ranks 1-2 (3+2)")
+    assert describe_split(5, world_size=3, micro_batch_size=1).endswith(
+        "2 on ranks 0-1 (1+1), 1 on rank 2 (1+0); an empty micro-batch runs with its loss weighted 0")
+    assert describe_split(64, world_size=2, micro_batch_size=4).endswith("32 on each rank (8x4)")
+
+
+def test_a_global_batch_smaller_than_the_world_is_refused():
+    with pytest.raises(ValueError, match=r"global batch of 2 samples over 3 ranks.*train.global_batch_size"):
+        rank_micro_batches([5, 6], rank=0, world_size=3, micro_batch_size=1)
 
 
 def test_epoch_drops_partial_batch_and_reshuffles():

@@ -1,6 +1,6 @@
-"""The documentation site: it builds with no warning, its generated reference names every config
-option, CLI flag, environment variable and public name of fsdpkit.checkpoint, and the snippets
-marked runnable in docs/ run.
+"""The documentation site: it builds with no warning, its reference (committed in docs/reference/,
+current with the code) names every config option, CLI flag, environment variable and public name of
+fsdpkit.checkpoint, and the snippets marked runnable in docs/ run.
 
 A snippet is runnable when the line before its fence is `<!-- runnable -->`; the blocks of one page
 run in order in one fresh directory (a later block may use what an earlier one wrote), `bash` blocks
@@ -61,6 +61,14 @@ def test_the_site_builds_strictly(site):
         assert (site / page).is_file(), page
 
 
+def test_the_committed_reference_pages_are_current():
+    """docs/reference/*.md, readable in the repository, are what the code gives now."""
+    hooks = _hooks()
+    stale = [name for name, build in hooks.PAGES.items()
+             if not (DOCS / "reference" / name).is_file() or (DOCS / "reference" / name).read_text() != build() + "\n"]
+    assert not stale, f"docs/reference/{stale} differ from the code: run `make reference` and commit them"
+
+
 def test_every_config_option_is_in_the_reference(site):
     text = _page(site, "config")
     missing = [key for key, *_ in iter_options() if f"<code>{key}</code>" not in text]
@@ -87,17 +95,52 @@ def test_every_environment_variable_is_in_the_reference(site):
     assert not missing, f"reference/environment.md lacks {missing}"
 
 
-def test_the_trainer_migration_table_names_real_settings():
-    """docs/how-to/coming-from.md maps TrainingArguments to fsdpkit's settings: each named setting
-    exists (a renamed option fails here, not in a user's run)."""
+# The tables of docs/how-to/coming-from.md: header -> the fewest rows it may have
+MIGRATION_TABLES = {"| `TrainingArguments` | fsdpkit |": 20, "| Accelerate `fsdp_config` | fsdpkit |": 12,
+                    "| torchtitan TOML | fsdpkit |": 25}
+
+
+def _table_rows(header: str) -> list[list[str]]:
+    """The cells of each row of the table under `header` in coming-from.md."""
     text = (DOCS / "how-to" / "coming-from.md").read_text()
-    table = text[text.index("| `TrainingArguments` | fsdpkit |"):]
-    rows = [line for line in table.splitlines()[2:] if line.startswith("| `")]
+    lines = text[text.index(header):].splitlines()[2:]
+    rows = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        rows.append([cell.strip() for cell in line.strip("|").split("|")])
+    return rows
+
+
+@pytest.mark.parametrize("header", MIGRATION_TABLES)
+def test_the_migration_tables_name_real_settings(header):
+    """docs/how-to/coming-from.md maps another tool's settings to fsdpkit's: each setting the fsdpkit
+    column names exists (a renamed option fails here, not in a user's run); a row without one says
+    `-` and its note says why."""
+    rows = _table_rows(header)
     options = {key for key, *_ in iter_options()}
-    named = [re.findall(r"`([^`]+)`", line.split("|")[2]) for line in rows]
-    assert len(rows) >= 20 and all(named), rows
+    named = [re.findall(r"`([^`]+)`", row[1]) for row in rows]
+    assert len(rows) >= MIGRATION_TABLES[header], rows
+    assert all(keys or row[1] == "-" for keys, row in zip(named, rows, strict=True)), rows
+    if header.startswith("| `TrainingArguments`"):
+        assert all(named), rows
     unknown = [key for keys in named for key in keys if key not in options]
     assert not unknown, f"coming-from.md names settings the config does not have: {unknown}"
+
+
+def test_the_accelerate_table_names_keys_accelerate_writes():
+    """Its left column: keys of `accelerate config`'s fsdp_config (the installed Accelerate's own
+    source) or of its config file's top level."""
+    accelerate = pytest.importorskip("accelerate")
+    import dataclasses
+
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    cluster = Path(accelerate.__file__).parent / "commands" / "config" / "cluster.py"
+    known = set(re.findall(r"fsdp_\w+", cluster.read_text())) | {f.name for f in dataclasses.fields(ClusterConfig)}
+    rows = _table_rows("| Accelerate `fsdp_config` | fsdpkit |")
+    keys = [key for row in rows for key in re.findall(r"`([^`]+)`", row[0])]
+    assert keys and not [k for k in keys if k not in known], [k for k in keys if k not in known]
 
 
 def test_every_public_name_of_fsdpkit_checkpoint_is_in_the_api_reference(site):

@@ -95,6 +95,32 @@ def resume_problems(events: list[dict[str, Any]], *, step: int, saved_world_size
     return problems
 
 
+def check_before_running(*, overrides: list[str], nproc: int, resume_nproc: list[int], steps: int, save_at: int,
+                         config_dirs: list[str] = (), resume_overrides: list[str] = ()) -> None:
+    """What resume_check refuses before it runs anything: bad step numbers, or a config that cannot
+    run on --nproc ranks or, with the resume overrides, on a resume world size.
+
+    Raises:
+        ValueError: naming the option or setting to change.
+    """
+    if not 0 < save_at < steps:
+        raise ValueError(f"--save-at must lie between 0 and --steps ({steps}), got {save_at}")
+    if not resume_nproc or min(resume_nproc) < 1:
+        raise ValueError(f"--resume-nproc needs world sizes of at least 1, got {resume_nproc}")
+    try:
+        check_world_size(compose_config(overrides, config_dirs=list(config_dirs)), nproc, local_world_size=nproc)
+    except ValueError as e:
+        raise ValueError(f"the first runs on {nproc} rank(s) (--nproc): {e}") from None
+    resumed_cfg = compose_config([*overrides, *resume_overrides], config_dirs=list(config_dirs))
+    for size in resume_nproc:
+        try:
+            check_world_size(resumed_cfg, size, local_world_size=size)
+        except ValueError as e:
+            hint = (", or resume under another strategy: --resume-overrides strategy.sharding_strategy=FULL_SHARD"
+                    if resumed_cfg.strategy.sharding_strategy == "HYBRID_SHARD" else "")
+            raise ValueError(f"the resumed run on {size} rank(s): {e}{hint}") from None
+
+
 def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int | list[int], steps: int, save_at: int,
                  work_dir: Path | None = None, config_dirs: list[str] = (), resume_overrides: list[str] = (),
                  before_resume: Callable[[Path], None] | None = None) -> int:
@@ -108,24 +134,13 @@ def resume_check(*, overrides: list[str], nproc: int, resume_nproc: int | list[i
         before_resume: called with each resumed run's directory just before it is resumed.
             Tests use it to delete the checkpoints there and see the check fail.
     Raises:
-        ValueError: bad step numbers, a resumed config that cannot run on a resume world size,
-            several world sizes with a checkpoint.dir outside run_dir, or `work_dir` already holds
-            runs of an earlier check.
+        ValueError: what check_before_running refuses (bad step numbers, a config that cannot run
+            on --nproc or a resume world size), several world sizes with a checkpoint.dir outside
+            run_dir, or `work_dir` already holds runs of an earlier check.
     """
     sizes = [resume_nproc] if isinstance(resume_nproc, int) else list(dict.fromkeys(resume_nproc))
-    if not 0 < save_at < steps:
-        raise ValueError(f"--save-at must lie between 0 and --steps ({steps}), got {save_at}")
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--resume-nproc needs world sizes of at least 1, got {resume_nproc}")
-    # The resumed runs' config is validated now, not after the first two runs.
-    resumed_cfg = compose_config([*overrides, *resume_overrides], config_dirs=list(config_dirs))
-    for size in sizes:
-        try:
-            check_world_size(resumed_cfg, size, local_world_size=size)
-        except ValueError as e:
-            hint = (", or resume under another strategy: --resume-overrides strategy.sharding_strategy=FULL_SHARD"
-                    if resumed_cfg.strategy.sharding_strategy == "HYBRID_SHARD" else "")
-            raise ValueError(f"the resumed run on {size} rank(s): {e}{hint}") from None
+    check_before_running(overrides=overrides, nproc=nproc, resume_nproc=sizes, steps=steps, save_at=save_at,
+                         config_dirs=config_dirs, resume_overrides=resume_overrides)
     work = Path(work_dir or tempfile.mkdtemp(prefix="fsdpkit-resume-check-"))
     full = work / "uninterrupted"
     resumed = {m: work / ("resumed" if len(sizes) == 1 else f"resumed-{m}") for m in sizes}

@@ -1,7 +1,6 @@
 """Typed configuration: the schema and its Hydra composition."""
 
 from fsdpkit.config.compose import (
-    accumulation_steps,
     check_world_size,
     compose_config,
     to_yaml,
@@ -9,4 +8,4 @@ from fsdpkit.config.compose import (
 )
 from fsdpkit.config.schema import Config
 
-__all__ = ["Config", "accumulation_steps", "check_world_size", "compose_config", "to_yaml", "validate_checkpoint"]
+__all__ = ["Config", "check_world_size", "compose_config", "to_yaml", "validate_checkpoint"]

@@ -176,8 +176,8 @@ def _refuse_unused_peft(peft: PeftConfig) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Value checks the type system cannot express. World-size-dependent checks (batch
-    divisibility, HSDP groups) run in `check_world_size` as soon as the world size is known."""
+    """Value checks the type system cannot express. World-size-dependent checks (a sample for every
+    rank, HSDP groups) run in `check_world_size` as soon as the world size is known."""
     s, p, m, d, o, t = cfg.strategy, cfg.policy, cfg.model, cfg.data, cfg.optim, cfg.train
     _one_of("strategy.sharding_strategy", s.sharding_strategy, SHARDING_STRATEGIES)
     _one_of("strategy.state_dict_type", s.state_dict_type, STATE_DICT_TYPES)
@@ -291,25 +291,19 @@ def validate(cfg: Config) -> None:
     _one_of("backend", cfg.backend, ("auto", "gloo", "nccl"))
 
 
-def accumulation_steps(cfg: Config, world_size: int) -> int:
-    """Micro-batches per rank per optimizer step, derived from the global batch.
+def check_world_size(cfg: Config, world_size: int, *, local_world_size: int | None = None) -> None:
+    """World-size-dependent checks, run before launching ranks and again in each rank. A global
+    batch runs at any world size that leaves every rank a sample (fsdpkit.data.sampler shares it
+    out); an HSDP shard group must divide the world.
 
     Raises:
-        ValueError: the global batch is not a whole multiple of world_size * micro_batch_size.
+        ValueError: naming the setting to change.
     """
-    per_pass = world_size * cfg.train.micro_batch_size
-    if cfg.train.global_batch_size % per_pass:
+    if cfg.train.global_batch_size < world_size:
         raise ValueError(
-            f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by world_size "
-            f"({world_size}) x train.micro_batch_size ({cfg.train.micro_batch_size}) = {per_pass}; "
-            "change train.global_batch_size or train.micro_batch_size"
-        )
-    return cfg.train.global_batch_size // per_pass
-
-
-def check_world_size(cfg: Config, world_size: int, *, local_world_size: int | None = None) -> None:
-    """World-size-dependent checks, run before launching ranks and again in each rank."""
-    accumulation_steps(cfg, world_size)
+            f"train.global_batch_size={cfg.train.global_batch_size} is smaller than the world size ({world_size} "
+            f"ranks): every rank needs at least one sample of each global batch; set train.global_batch_size to at "
+            f"least {world_size}, or run on fewer ranks")
     if cfg.strategy.sharding_strategy == "HYBRID_SHARD":
         shard = cfg.strategy.hsdp_shard_size or (local_world_size or world_size)
         if world_size % shard:

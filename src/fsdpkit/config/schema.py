@@ -240,10 +240,14 @@ class TrainConfig:
     max_steps: int = 100
     """Optimizer steps to run."""
     global_batch_size: int = 16
-    """Samples per optimizer step, summed over all ranks and accumulation steps. Accumulation steps
-    are derived: global_batch_size / (world_size * micro_batch_size), which must be a whole number."""
+    """Samples per optimizer step, summed over all ranks and micro-batches: the objective, the same at
+    any world size (the loss is normalised by the global batch's trained tokens). Each rank takes a
+    contiguous share (shares differ by at most one sample) in the same number of micro-batches as
+    every other rank, ceil(ceil(global_batch_size / world_size) / micro_batch_size); the start-up log
+    states the split. Any value of at least the world size works."""
     micro_batch_size: int = 4
-    """Samples per forward/backward on one rank."""
+    """The most samples per forward/backward on one rank (the memory bound); a rank's micro-batches
+    differ by at most one sample, so some may hold fewer."""
     grad_clip: float = 1.0
     """Clip the global gradient norm (over all shards) to this value; 0 disables clipping (the
     norm is still computed and logged)."""

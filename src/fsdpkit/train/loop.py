@@ -85,20 +85,28 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        has_aux = False
+        has_aux, aux_count = False, 0
         for i, indices in enumerate(micro):
-            # Only the last micro-batch reduce-scatters; earlier ones accumulate locally.
+            # Only the last micro-batch reduce-scatters; earlier ones accumulate locally. Every rank
+            # has the same number of micro-batches, so every rank syncs on the same one.
             self.model.set_requires_gradient_sync(i == len(micro) - 1)
-            terms = micro_batch_terms(self.model, self.train_data, indices, device=self.device,
+            # An empty micro-batch (a share shorter than the micro-batch count) still runs forward and
+            # backward, since FSDP's collectives need every rank: on the global batch's first sample
+            # (trained by another rank this step, so no input the model cannot take), its objective
+            # multiplied by exactly 0: its gradients are zeros and it adds nothing.
+            weight = 1.0 if indices else 0.0
+            terms = micro_batch_terms(self.model, self.train_data, indices or global_batch[:1], device=self.device,
                                       chunk_tokens=self.loss_chunk_tokens)
             mem.mark(FORWARD)
             # MoE models add their router load-balancing term here (fsdpkit.train.loss explains the weighting)
-            (terms.objective_sum() / global_tokens).backward()
+            (terms.objective_sum() * weight / global_tokens).backward()
             mem.mark(BACKWARD)
-            loss_sum += terms.ce_sum.detach()
-            if terms.aux is not None:
-                aux_sum += terms.aux.detach()
-                has_aux = True
+            has_aux = has_aux or terms.aux is not None  # the same on every rank: it sizes the all-reduce
+            if indices:
+                loss_sum += terms.ce_sum.detach()
+                if terms.aux is not None:
+                    aux_sum += terms.aux.detach()
+                    aux_count += 1
         watchdog.doing(f"step {step}: grad clipping and optimizer update")
         grad_norm = clip_grad_norm(self.model.parameters(), self.grad_clip)  # skips params without grads
         self.diagnostics.check_grad_norm(grad_norm, parameters=self.model.parameters(), max_norm=self.grad_clip)
@@ -113,9 +121,9 @@ class Trainer:
         # One all-reduce per step carries the loss and the flags every rank must agree on
         # (preemption, checkpoint cadence by time, a failed background save: Checkpointer.local_flags).
         watchdog.doing(f"step {step}: end-of-step all-reduce")
-        # The aux pair rides along only for models with an aux term (the same on every rank).
+        # The aux pair rides along only for models with an aux term; its count is of non-empty micro-batches.
         # The gradient norm is already global: read back with the sums (one device sync per step), not summed.
-        aux = [aux_sum, len(micro)] if has_aux else []
+        aux = [aux_sum, aux_count] if has_aux else []
         total, *reduced, grad_norm = dist.all_reduce_sum([loss_sum, *aux, *self._local_flags()], device=self.device,
                                                          fetch=[grad_norm])
         aux_total, aux_count = reduced[:len(aux)] if aux else (None, None)

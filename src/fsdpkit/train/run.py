@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from fsdpkit import __version__, dist
 from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, find_checkpoint
 from fsdpkit.config import Config, check_world_size, to_yaml
-from fsdpkit.data import GlobalSampler, build_datasets
+from fsdpkit.data import GlobalSampler, build_datasets, describe_split
 from fsdpkit.data.tokenizer import tokenizer_size
 from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
 from fsdpkit.export import export_checkpoint, load_hf_weights
@@ -218,6 +218,8 @@ def train(cfg: Config, *, device: torch.device) -> dict[str, Any]:
             log.info("resolved config (also in %s):\n%s", run_dir / CONFIG_FILE, to_yaml(cfg))
         log.info("fsdpkit %s, torch %s, world size %d, device %s", __version__, torch.__version__, dist.world_size(),
                  device)
+        log.info("%s", describe_split(cfg.train.global_batch_size, world_size=dist.world_size(),
+                                      micro_batch_size=cfg.train.micro_batch_size))
         groups = CheckpointGroups.create(cfg.checkpoint)
         found = find_checkpoint(cfg.checkpoint, group=groups.sync)  # before the model: skip init if resuming
         trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=found.path is None)
