@@ -59,6 +59,7 @@ bench: $(STAMP)
 	-$(BIN)/python bench/frozen.py
 	-$(BIN)/python bench/checksum_read.py
 	-$(BIN)/python bench/metadata_read.py
+	-$(BIN)/python bench/finetune_data.py
 	$(BIN)/python bench/results_md.py --since $$(cat bench/.bench_started)
 
 # The CUDA/NCCL paths on one GPU (skipped, with the reason, without CUDA; CI has none), and the GPU

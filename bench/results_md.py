@@ -33,6 +33,8 @@ BENCHES = (  # (json, title, script)
     ("frozen.json", "B10: frozen weights written once (a 1 GiB frozen base, 2 ranks)", "bench/frozen.py"),
     ("checksum_read.json", "File checksums: the page-cache reader's renewed descriptor against one descriptor",
      "bench/checksum_read.py"),
+    ("finetune_data.json", "Fine-tuning on long-tailed chat data: packing and the chunked loss (also RESULTS-data.md)",
+     "bench/finetune_data.py"),
     ("metadata_read.json",
      "Reading a cluster-sized `.metadata`: DCP's reader, fsdpkit's, and fsdpkit's without its GC pause",
      "bench/metadata_read.py"),
