@@ -113,14 +113,14 @@ class Found:
 
     path: CkptPath | None
     lock: DirectoryLock | ObjectLock | None
-    verify_while_loading: bool = False  # its file checksums are still to check, by the load (a pass before it reads)
+    verify_while_loading: bool = False  # its checksums are still to check, by the load (resume.load_checkpoint)
     mirror_of: CkptPath | None = None  # `path` is checkpoint.local_dir's copy of this remote checkpoint
 
 
 def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Found:
     """Collective: lock `cfg.dir` (rank 0) and resolve `cfg.resume` (the newest committed, complete
-    checkpoint; with `verify_checksums` its file checksums are checked by `Checkpointer.resume`, in a
-    pass before the load reads it (resume.load_checkpoint); on object storage resolution checks them).
+    checkpoint; with `verify_checksums` its checksums are checked by `Checkpointer.resume`, as the load
+    reads it (resume.load_checkpoint); on object storage resolution checks its files in a pass).
     A loop that wants to know before building its model whether it will resume (to skip random init)
     calls this, then `Checkpointer.resume(found)`.
     With `local_dir`, the local copy of the resolved checkpoint replaces it when it matches (storage/mirror.py)."""

@@ -4,7 +4,9 @@ Why: DCP's FileSystemWriter stores every tensor chunk as one `torch.save` blob (
 zip: `<prefix>/data.pkl` describes the tensor, `<prefix>/data/<key>` holds the raw storage bytes)
 at a byte range of a `.distcp` file. Knowing where the raw bytes start lets the exporter read
 any rows of a chunk with a plain `pread` into a reused buffer: no copy of the whole chunk, no
-mmap (which would count the file against RLIMIT_AS and the process's RSS).
+mmap (which would count the file against RLIMIT_AS and the process's RSS); and the resume's reader
+(checked_read.py) read only the rows it needs. `storage_span` finds the raw bytes from the zip
+headers alone, unpickling nothing: what an item checksum leaves out (items.py).
 
 `data.pkl` is decoded by `_TensorRecordUnpickler`, which accepts exactly the globals a tensor
 pickle names (`torch._utils._rebuild_tensor_v2/_v3`, storage classes, dtypes, OrderedDict) and
