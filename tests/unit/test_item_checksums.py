@@ -177,6 +177,19 @@ def _items(ckpt: Path) -> list[tuple[str, str, int]]:
     return out
 
 
+@pytest.mark.parametrize("restart", [0, 4096, 1000], ids=["one-stream", "4-KiB-pieces", "uneven-pieces"])
+def test_a_resume_restores_every_value_bitwise_however_the_elements_are_read(saved, tune, restart):
+    """The first weight (128 KiB, read in pieces) through one stream, or a stream opened anew every
+    `restart` bytes (FSDPKIT_READ_RESTART_BYTES); the state equals what step 3 held."""
+    root, states = saved
+    tune(read_restart_bytes=restart)
+    ck, cursor = _run(root.parent / f"resumed-{restart}", seed=9, resume=str(root / "step_3"))
+    _seed(7)
+    assert ck.resume() == 3
+    ck.close()
+    assert _same(_everything(ck, cursor), states[3]) == []
+
+
 # -- damage, refused before anything decodes it ---------------------------------------------------------------
 def _item(ckpt: Path, key: str) -> tuple[Path, int, int]:
     metadata = FileSystemReader(ckpt).read_metadata()
