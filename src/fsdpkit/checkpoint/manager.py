@@ -356,7 +356,8 @@ class Checkpointer:
                 if fresh_rng is None:
                     raise
                 why = str(e)
-            tried.append(path.name)
+            if str(path.parent) == str(self.root):  # not checkpoint.local_dir's copy: the remote one may be intact
+                tried.append(path.name)
             on_main(lambda path=path, why=why: set_aside(path, why), group=self.group,
                     errors=(CheckpointError, OSError))
             restore_rng(fresh_rng)
