@@ -67,7 +67,7 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--runs", type=int, default=6)
     p.add_argument("--idle", type=float, default=3.0, help="seconds of rest after the eviction")
-    p.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temporary directory under bench/)")
+    p.add_argument("--dir", default=None, help="where the checkpoint goes (default: a temporary directory in bench/)")
     args = p.parse_args()
     work = Path(tempfile.mkdtemp(prefix="element_read_", dir=args.dir or Path(__file__).parent))
     try:
