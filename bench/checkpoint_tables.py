@@ -60,7 +60,7 @@ def read_ceiling(c: dict[str, Any], streams: int) -> float:
 def _target(rows: list[dict[str, Any]], name: str, size: str, value: float | None, goal: str, ok: bool | None,
             shown: str) -> None:
     rows.append({"target": name, "size": size, "value": value, "goal": goal,
-                 "met": None if value is None else bool(ok), "shown": shown})
+                 "met": None if value is None or ok is None else bool(ok), "shown": shown})
 
 
 def b1_rows(size: str, main: dict[str, Any], c: dict[str, Any], targets: list, lines: list, notes: list) -> None:
