@@ -20,6 +20,7 @@ import io
 import json
 import os
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -129,6 +130,44 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer, extra: dict) -> dic
     return out
 
 
+def fall_back(root: Path, damage: str) -> dict:
+    """resume=auto over step_2 (damaged: a byte of its `.metadata`, or of a weight's elements) and
+    step_1: every rank must load step_1, whichever rank finds the damage first. Rank 1 reads
+    `.metadata` a second late, so that rank 0, which finds it corrupt at once, would have moved the
+    checkpoint aside under it if the ranks did not agree first."""
+    model, opt, sched, extra = build(3)
+    with Checkpointer(root, model=model, optimizer=opt, scheduler=sched, state={"extra": extra}) as ck:
+        ck.resume()
+        ck.save(1)
+        saved = full_state(model, opt, extra)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(1.0)
+        ck.save(2)
+    if tdist.get_rank() == 0:
+        path = root / "step_2" / (".metadata" if damage == "metadata" else "__1_0.distcp")
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2 if damage == "metadata" else len(data) - 4096] ^= 0x10  # an element of the last weight
+        path.write_bytes(bytes(data))
+    tdist.barrier()
+    from fsdpkit.checkpoint import safe_io
+
+    read = safe_io.SafeMetadataReading.read_metadata
+    if tdist.get_rank() == 1:
+        safe_io.SafeMetadataReading.read_metadata = lambda *a, **k: time.sleep(1) or read(*a, **k)
+    try:
+        model, opt, sched, extra = build(4)
+        with Checkpointer(root, model=model, optimizer=opt, scheduler=sched, state={"extra": extra}) as ck:
+            step = ck.resume()
+    finally:
+        safe_io.SafeMetadataReading.read_metadata = read
+    steps = [None] * tdist.get_world_size()
+    tdist.all_gather_object(steps, step)
+    loaded = full_state(model, opt, extra)
+    return {"steps": steps, "aside": sorted(p.name.split(".")[0] for p in root.iterdir() if ".corrupt-" in p.name),
+            "different": sorted(k for k in saved if not torch.equal(saved[k], loaded[k]))}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group(backend="gloo")
@@ -163,6 +202,8 @@ def main() -> None:
             report["modes"][mode] = {
                 "step": step, "reads": reads, "rng_restored": all(rng_all), "count": extra["count"],
                 "different": sorted(k for k in saved if k not in loaded or not torch.equal(saved[k], loaded[k]))}
+    if ws == 2:
+        report["fallback"] = {damage: fall_back(out / f"auto_{damage}", damage) for damage in ("metadata", "element")}
     if rank == 0:
         manifest = json.loads((ckpt / "manifest.json").read_text())
         report["files"] = {name: info["size"] for name, info in manifest["files"].items()}

@@ -49,3 +49,11 @@ def test_a_resume_reads_each_byte_about_once_and_restores_everything(reports, ws
         assert 0.95 * size_of <= read.get(name, 0) <= 1.05 * size_of, (name, read.get(name), size_of)
     # the pass first, then DCP's own reader: every byte at least twice (the count sees it)
     assert sum(_read(first).values()) >= 1.9 * size, (sum(_read(first).values()) / size)
+
+
+@pytest.mark.parametrize("damage", ["metadata", "element"])
+def test_every_rank_falls_back_to_the_older_checkpoint_together(reports, damage):
+    """A damaged `.metadata` (found by each rank's own read, rank 1 a second late) or a weight's
+    element (found after the load): step_2 is set aside, step_1 loaded whole on both ranks."""
+    run = reports[2]["fallback"][damage]
+    assert run["steps"] == [1, 1] and run["aside"] == ["step_2"] and run["different"] == []

@@ -329,6 +329,7 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, 
         rng = load_replicated(state, reader, read=read, replication=replication, group=group, ckpt_dir=ckpt_dir,
                               manifest=manifest)
     else:
+        _agree_on_metadata(list(readers.values()), ckpt_dir=ckpt_dir, group=group)
         rng = _load_every_rank(state, reader, read=read, rank=rank, group=group, ckpt_dir=ckpt_dir)
     target.restore_tensors(state)
     tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
@@ -344,6 +345,25 @@ def _read_metadata(reader: Any, *, ckpt_dir: Path) -> Any:
     except CheckpointCorruptError as e:
         raise CheckpointCorruptError(f"{ckpt_dir} failed verification before loading (nothing was loaded):\n  {e}") \
             from e
+
+
+def _agree_on_metadata(readers: list[Any], *, ckpt_dir: Path, group: tdist.ProcessGroup | None) -> None:
+    """Collective: every rank reads every directory's `.metadata` (`_read_metadata`), then all learn
+    whether any failed and raise the first failure (its type and message) together. Without it a
+    rank that found `.metadata` corrupt would set the checkpoint aside while another still reads it.
+    (A replicated load agrees in replicas.py.)"""
+    failure: tuple[type, str] | None = None
+    try:
+        for reader in readers:
+            _read_metadata(reader, ckpt_dir=ckpt_dir)
+    except CheckpointError as e:
+        failure = (type(e), str(e))
+    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
+        everyone: list[tuple[type, str] | None] = [None] * tdist.get_world_size(group)
+        tdist.all_gather_object(everyone, failure, group=group)
+        failure = next((f for f in everyone if f is not None), None)
+    if failure is not None:
+        raise failure[0](failure[1])
 
 
 def _dcp_load(state: dict[str, Any], reader: Any, *, group: tdist.ProcessGroup | None, no_dist: bool) -> None:
