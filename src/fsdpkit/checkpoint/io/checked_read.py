@@ -166,10 +166,10 @@ def _read_span(open_file: Callable[[], ContextManager[IO[bytes]]], view: memoryv
     io/page_cache.py reads files start to end, for the reason measured there (large page-cache
     folios are slow to fault in on a VM that hands free memory back to its host). Measured here
     (the 2-core VM, one process, pages evicted and 3 s idle before each load, modes alternating,
-    bench/element_read.py): 2 x Linear(8192, 8192) + AdamW, items of 256 MiB: 1.53-1.97 s (6 runs)
-    against 2.40-6.48 s through one stream (DCP's reader 5.01-8.99 s); a second run 1.18-2.04 s
-    against 1.42-4.08 s. With items of 21 MiB, which the reader reaches by seeks, no difference
-    (0.61-0.76 s against 0.54-0.78 s)."""
+    bench/element_read.py): 2 x Linear(8192, 8192) + AdamW, items of 256 MiB: 1.71-2.56 s (6 runs)
+    against 4.15-8.73 s through one stream (dcp.load 4.75-11.05 s); two earlier runs of the same
+    measurement 1.53-1.97 s against 2.40-6.48 s, and 1.18-2.04 s against 1.42-4.08 s. With items of
+    21 MiB, which the reader reaches by seeks, no difference (0.61-0.76 s against 0.54-0.78 s)."""
     step = tunables.current().read_restart_bytes or len(view)
     for start in range(0, len(view), step):
         with open_file() as stream:
