@@ -41,8 +41,8 @@ from torch.distributed.checkpoint.state_dict import set_state_dict
 from checkpoint_common import (
     DCP_SYNC,
     FSDPKIT,
-    FSDPKIT_PASS,
     OUR_SYNC,
+    PASS_FIRST,
     PLAIN,
     RESUME_METHODS,
     T0_ENV,
@@ -108,7 +108,7 @@ def resume_plain(b: Bench, root: Path) -> dict[str, Any]:
     return {}
 
 
-RESUMES = {FSDPKIT: resume_fsdpkit, FSDPKIT_PASS: resume_fsdpkit_pass, PLAIN: resume_plain}
+RESUMES = {FSDPKIT: resume_fsdpkit, PASS_FIRST: resume_fsdpkit_pass, PLAIN: resume_plain}
 
 
 def _cold(b: Bench, root: Path) -> None:
@@ -139,7 +139,7 @@ def bench_resume(b: Bench, root: Path, *, first: str, runs: int, launch_t0: floa
     times: dict[str, list[float]] = {m: [] for m in RESUME_METHODS}
     peaks: dict[str, list[float]] = {m: [] for m in RESUME_METHODS}
     read: dict[str, list[int]] = {m: [] for m in RESUME_METHODS}
-    parts_of: dict[str, list[dict[str, float]]] = {FSDPKIT: [], FSDPKIT_PASS: []}
+    parts_of: dict[str, list[dict[str, float]]] = {FSDPKIT: [], PASS_FIRST: []}
     for m in balanced_order(RESUME_METHODS, runs, start=RESUME_METHODS.index(first)):
         _cold(b, root)
         trim()

@@ -12,12 +12,12 @@ from checkpoint_common import (
     DCP_LOAD,
     DCP_SYNC,
     FSDPKIT,
-    FSDPKIT_PASS,
     OUR_ASYNC,
     OUR_ASYNC_BG,
     OUR_LOAD,
     OUR_LOAD_VERIFY,
     OUR_SYNC,
+    PASS_FIRST,
     PLAIN,
     RAW_READ,
     RAW_WRITE,
@@ -272,7 +272,7 @@ def b6_rows(g: dict[str, Any], label: str, targets: list, lines: list) -> None:
                 f"{blocked:.1f}% of its time)")
 
 
-SHORT = {FSDPKIT: "fsdpkit", FSDPKIT_PASS: "fsdpkit, pass first", PLAIN: "dcp.load"}
+SHORT = {FSDPKIT: "fsdpkit", PASS_FIRST: "fsdpkit, pass first", PLAIN: "dcp.load"}
 
 
 def b7_rows(size: str, runs: list[dict[str, Any]], targets: list, lines: list) -> None:
@@ -297,7 +297,7 @@ def b7_rows(size: str, runs: list[dict[str, Any]], targets: list, lines: list) -
                      f"{_median(part_first):.2f} | {_median(step):.2f} | {_median(part):.2f} | {min_max(part)} | "
                      f"{_median(part) / _median(_pooled(res, PLAIN)):.2f} | {read} |")
     part_p = _median(_pooled(res, PLAIN))
-    for m, goal in ((FSDPKIT, 1.1), (FSDPKIT_PASS, None)):
+    for m, goal in ((FSDPKIT, 1.1), (PASS_FIRST, None)):
         if m not in methods:
             continue
         part_f = _median(_pooled(res, m))
@@ -314,7 +314,7 @@ def b7_rows(size: str, runs: list[dict[str, Any]], targets: list, lines: list) -
             f"{SHORT[m]} after " + ", ".join(f"{SHORT[p]} {_median(after[m, p]):.2f} s ({len(after[m, p])})"
                                              for p in methods if (m, p) in after)
             for m in methods))
-    for m in (FSDPKIT, FSDPKIT_PASS):
+    for m in (FSDPKIT, PASS_FIRST):
         parts = [r["fsdpkit_parts_median_s"][m] for r in res if m in r.get("fsdpkit_parts_median_s", {})]
         if parts:
             lines.append(f"{SHORT[m]}'s parts at {size} GiB (medians over launches): " + ", ".join(
@@ -382,7 +382,7 @@ def b8_rows(sc: dict[str, Any], c: dict[str, Any], targets: list, lines: list) -
         rs = resume["resume"]
         fs, ds = sv["median_s"]["fsdpkit save_checkpoint"], sv["median_s"]["dcp.save"]
         fr, pr = rs["median_s"][FSDPKIT], rs["median_s"][PLAIN]
-        fp = rs["median_s"].get(FSDPKIT_PASS)
+        fp = rs["median_s"].get(PASS_FIRST)
         n = row["ranks"]
         lines.append(f"| {key} | {total / 2**30:.2f} | {fs:.2f} ({fs / ds:.2f}× dcp.save) | {total / fs / 1e9:.2f} "
                      f"({total / fs / 1e9 / write_ceiling(c, n):.2f}× disk) | "
@@ -423,7 +423,7 @@ def _b8_slopes(runs: dict[str, list[tuple[float, list[float]]]], lines: list, ta
     slope = {m: _fit([x for x, _ in runs[m]], [_median(ys) for _, ys in runs[m]])[1] for m in runs if runs[m]}
     per_run = {m: [_fit([x for x, _ in runs[m]], [ys[i] for _, ys in runs[m]])[1] for i in range(n)]
                for m in runs if runs[m]}
-    for m in (FSDPKIT, FSDPKIT_PASS):
+    for m in (FSDPKIT, PASS_FIRST):
         if m not in slope:
             continue
         ratios = [f / p for f, p in zip(per_run[m], per_run[PLAIN], strict=True)]
