@@ -110,7 +110,7 @@ from typing import Any
 import torch
 
 from checkpoint_ceilings import measure_ceilings
-from checkpoint_common import FSDPKIT, PLAIN, RESUME_METHODS, T0_ENV
+from checkpoint_common import FSDPKIT, RESUME_METHODS, T0_ENV
 from checkpoint_measure import drop_page_cache
 from checkpoint_report import render
 
@@ -230,7 +230,7 @@ def orchestrate(args: argparse.Namespace) -> int:
             if "B7" in args.only and size == args.sizes[0]:  # fresh launches are slow: the first size only
                 per["whole_resume"] = whole_resumes(args, 2, size, workdir, workdir / f"src_{size:g}",
                                                     launches=args.resume_launches, runs=args.resume_runs,
-                                                    methods=(FSDPKIT, PLAIN))
+                                                    methods=RESUME_METHODS)
                 results["errors"] += [v for v in per["whole_resume"] if isinstance(v, str)]
                 per["whole_resume"] = [v for v in per["whole_resume"] if not isinstance(v, str)]
             shutil.rmtree(workdir / f"src_{size:g}", ignore_errors=True)

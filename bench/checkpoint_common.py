@@ -30,8 +30,10 @@ DCP_LOAD = "dcp.load + set_state_dict"
 RAW_READ = "raw read of each rank's share of the bytes (ceiling)"  # B4/B5's disk ceiling
 
 # B7 and B8
-FSDPKIT, PLAIN = "fsdpkit resume (files verified before loading)", DCP_LOAD
-RESUME_METHODS = (FSDPKIT, PLAIN)
+FSDPKIT = "fsdpkit resume (each file read once)"
+PASS_FIRST = "fsdpkit resume, a checksum pass first (before issue 56)"
+PLAIN = DCP_LOAD
+RESUME_METHODS = (FSDPKIT, PASS_FIRST, PLAIN)
 
 DE_BRUIJN = {2: (0, 0, 1, 1), 3: (0, 0, 1, 0, 2, 1, 1, 2, 2)}
 """Per number of methods, a cycle in which each method comes as often as the others and follows

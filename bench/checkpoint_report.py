@@ -177,21 +177,26 @@ def render(res: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
                 "pages evicted before each; 2 ranks)",
                 "From the launch of torchrun to the end of the first training step after the resume (a real "
                 "forward/backward/AdamW step). The checkpoint part: fsdpkit = resolve (newest committed) + "
-                "load_checkpoint(verify=True, verify_files=True) (a pass that checks every file's checksum, the "
-                "load, then per-tensor checksums); plain = dcp.load + set_state_dict. 'in-process' = the "
-                f"checkpoint part repeated {-(-cfg.get('resume_runs', 1) // 2) * 2} time(s) per method in each launch "
-                "after the first step (cold pages; each method following each about equally often: in one process "
-                "fsdpkit's load right after a dcp.load ran up to 2x slower than after its own), pooled.",
+                "load_checkpoint(verify=True, verify_files=True) (the load reads each file once and checks "
+                "`.metadata` and every item as it reads them, then per-tensor checksums); fsdpkit, pass first = "
+                "resolve + a pass that checks every file's checksum + the load through DCP's reader + per-tensor "
+                "checksums (the default before issue 56); plain = dcp.load + set_state_dict. 'in-process' = the "
+                f"checkpoint part repeated {-(-cfg.get('resume_runs', 1) // 3) * 3} time(s) per method in each launch "
+                "after the first step (cold pages; each method following each equally often: in one process "
+                "fsdpkit's load right after a dcp.load ran up to 2x slower than after its own), pooled. Read = "
+                "bytes the ranks asked the kernel for during the checkpoint part (/proc/self/io rchar, page cache "
+                "or disk) over the checkpoint's size.",
                 "| size GiB | method | launch → first step s (median) | min–max (n) | launch → model built s | "
                 "checkpoint part, first in the process s | first step s | "
-                "checkpoint part in-process s | min–max (n) |",
-                "|---|---|---|---|---|---|---|---|---|", *b7]
+                "checkpoint part in-process s | min–max (n) | / dcp.load | read / size (min–max) |",
+                "|---|---|---|---|---|---|---|---|---|---|---|", *b7]
     if b8:
         out += ["", f"### B8 scaling (medians of {res['scaling']['runs']} runs per row; resume = the checkpoint part "
                 "as in B7, in one launch per row; launch → first step from that launch)",
                 "| state × ranks | GiB | fsdpkit save s | save GB/s | save peak RSS MiB/rank | fsdpkit resume s | "
-                "resume GB/s | resume peak RSS MiB/rank | launch → first step s |",
-                "|---|---|---|---|---|---|---|---|---|", *b8]
+                "fsdpkit resume, pass first s | dcp.load s | resume GB/s | resume peak RSS MiB/rank | "
+                "launch → first step s |",
+                "|---|---|---|---|---|---|---|---|---|---|---|", *b8]
     if b6:
         g = res.get("goodput") or res.get("goodput_free_core")
         out += ["", f"### B6 goodput ({g['size_gib']:g} GiB state, {cfg['b6_steps']} fixed-cost steps of "

@@ -234,8 +234,8 @@ def test_unknown_options_after_overrides_are_still_refused(capsys):
     assert "unrecognized arguments: experiment=demo --bogus" in capsys.readouterr().err
 
 
-REMOVED_IO = ("config key 'checkpoint.io' was removed: every load now reads with DCP's own reader, after a pass "
-              "that checks every file's checksum (checkpoint.verify_checksums); ")
+REMOVED_IO = ("config key 'checkpoint.io' was removed: every load now reads with DCP's own reader, checking "
+              "every file's checksums (checkpoint.verify_checksums); ")
 
 
 @pytest.mark.parametrize("override", ["checkpoint.io=fast", "+checkpoint.io=plain", "++checkpoint.io=fast"])

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+
 from faults import fired, injected, manifest_enospc  # noqa: E402
 from fsdpkit.checkpoint import Checkpointer, resume  # noqa: E402
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
@@ -25,7 +27,6 @@ from fsdpkit.checkpoint.manifest import SEAL, manifest_digest, read_manifest
 from fsdpkit.checkpoint.ownership import DirectoryLock, claim
 from fsdpkit.checkpoint.resume import committed_candidates, load_checkpoint, resolve_checkpoint
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
-from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.cli.main import main
@@ -264,18 +265,28 @@ def test_copy_is_independent(root, tmp_path):
 
 
 def _spy_load(monkeypatch) -> list[str]:
-    """In order: `verify <files>` for each checksum pass, `.metadata` for each parse of it, `data`
-    for each read of tensor data by the load."""
+    """In order: `verify <files>` for each checksum pass (the files it checks), `.metadata` for each
+    parse of it, `checked` for each read by the checking reader, `data` for each read as DCP reads."""
     from fsdpkit.checkpoint import safe_io
+    from fsdpkit.checkpoint.io.checked_read import CheckedFileSystemReader
 
     events: list[str] = []
-    full, unpickle, read_data = resume.verify_files, safe_io.unpickle_dcp_metadata, SafeFileSystemReader.read_data
-    monkeypatch.setattr(resume, "verify_files", lambda path, manifest, **kw: (
-        events.append("verify " + " ".join(sorted(manifest["files"]))), full(path, manifest, **kw))[1])
+    unpickle = safe_io.unpickle_dcp_metadata
+    full = resume.verify_files
+
+    def verify(path, manifest, **kw):
+        only = kw.get("only") or (lambda *_: True)
+        names = [n for directory, files in resume.file_sets(path, manifest) for n, i in files.items()
+                 if only(directory, n, i)]
+        events.append("verify " + " ".join(sorted(names)))
+        return full(path, manifest, **kw)
+
+    monkeypatch.setattr(resume, "verify_files", verify)
     monkeypatch.setattr(safe_io, "unpickle_dcp_metadata",
                         lambda *a, **kw: events.append(".metadata") or unpickle(*a, **kw))
-    monkeypatch.setattr(SafeFileSystemReader, "read_data",
-                        lambda *a, **kw: events.append("data") or read_data(*a, **kw))
+    for reader, event in ((FileSystemReader, "data"), (CheckedFileSystemReader, "checked")):
+        monkeypatch.setattr(reader, "read_data", lambda *a, real=reader.read_data, event=event, **kw:
+                            events.append(event) or real(*a, **kw))
     return events
 
 
@@ -290,16 +301,43 @@ def _same_weights(a: CheckpointTarget, b: CheckpointTarget) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True))
 
 
-def test_every_file_is_verified_in_one_pass_before_the_load_reads_any(step_1, monkeypatch):
+def _without_items(ckpt: Path) -> None:
+    """The manifest as fsdpkit wrote it before item checksums (resealed)."""
+    manifest = read_manifest(ckpt)
+    for info in manifest["files"].values():
+        info.pop("items", None)
+    manifest[SEAL] = manifest_digest(manifest)
+    _rewrite(ckpt, manifest)
+
+
+def test_a_load_with_tensor_checks_reads_each_file_once_and_checks_metadata_from_that_read(step_1, monkeypatch):
     saved, ckpt = step_1
     events = _spy_load(monkeypatch)
     loaded = _target(1)
     load_checkpoint(loaded, ckpt, fingerprint={"tensors": {}}, group=None, verify_files=True)
     assert _same_weights(saved, loaded)
+    assert events == [".metadata", "checked"]  # no pass; one parse; one read of the data
+    assert all("items" in info for name, info in read_manifest(ckpt)["files"].items() if name.endswith(".distcp"))
+
+
+def test_without_tensor_checks_or_item_checksums_a_pass_checks_the_files_before_the_load_reads_any(step_1,
+                                                                                                   monkeypatch):
+    """verify_on_load=false: every file in the pass, first. A checkpoint written before item checksums:
+    its data files in the pass, first, `.metadata` still from the load's read."""
+    saved, ckpt = step_1
+    events = _spy_load(monkeypatch)
     files = sorted(read_manifest(ckpt)["files"])
     assert ".metadata" in files and any(f.endswith(".distcp") for f in files)
-    assert events[0] == "verify " + " ".join(files) and events[1:] and "data" in events
-    assert not [e for e in events[1:] if e.startswith("verify")]  # one pass, then the load reads
+    loaded = _target(1)
+    load_checkpoint(loaded, ckpt, fingerprint={"tensors": {}}, group=None, verify=False, verify_files=True)
+    assert _same_weights(saved, loaded)
+    assert events == ["verify " + " ".join(files), ".metadata", "data"]
+    events.clear()
+    _without_items(ckpt)
+    loaded = _target(1)
+    load_checkpoint(loaded, ckpt, fingerprint={"tensors": {}}, group=None, verify_files=True)
+    assert _same_weights(saved, loaded)
+    assert events == ["verify " + " ".join(f for f in files if f.endswith(".distcp")), ".metadata", "checked", "data"]
     events.clear()
     load_checkpoint(_target(1), ckpt, fingerprint={"tensors": {}}, group=None, verify_files=False)
     assert events and not [e for e in events if e.startswith("verify")]  # resolution checked them (the caller says)
@@ -316,16 +354,28 @@ def _truncate(path: Path) -> None:
         f.truncate(path.stat().st_size - 8)
 
 
-@pytest.mark.parametrize(("damage", "victim", "message"), [
+BEFORE = r"^{ckpt} failed verification before loading \(nothing was loaded\):\n  "
+
+
+@pytest.mark.parametrize(("damage", "victim", "pass_first", "one_read"), [
     (_flip_middle, "data", r"{path} fails its checksum \(xxh3_64 [0-9a-f]{{16}}, expected [0-9a-f]{{16}}\): the file "
-                           r"is corrupt"),
-    (_flip_middle, ".metadata", r"{path} fails its checksum .*: the file is corrupt"),
-    (_truncate, "data", r"{path} has {size} bytes, expected {expected} \(truncated or overwritten\)"),
-    (Path.unlink, "data", r"{path} is missing"),
+                           r"is corrupt$",
+     r"^{ckpt} failed verification (while|after) loading[^\n]*\n  {path} fails its checksum [^\n]*the file is "
+     r"corrupt"),
+    (_flip_middle, ".metadata", r"{path} fails its checksum .*: the file is corrupt$",
+     BEFORE + r"{path} fails its checksum \(xxh3_64 [0-9a-f]{{16}}, expected [0-9a-f]{{16}}\): the file is corrupt; "
+              r"nothing was unpickled from it$"),
+    (_truncate, "data", r"{path} has {size} bytes, expected {expected} \(truncated or overwritten\)$",
+     BEFORE + r"{name} has {size} bytes, the manifest says {expected} \(truncated or overwritten\)$"),
+    (Path.unlink, "data", r"{path} is missing$", BEFORE + r"{name} is missing$"),
 ], ids=["flipped", "metadata-flipped", "truncated", "missing"])
-def test_a_damaged_file_is_named_before_anything_is_read_or_loaded(step_1, monkeypatch, damage, victim, message):
-    """A corrupt, truncated or missing file (`.metadata` too: before anything unpickles it) fails the
-    load with CheckpointCorruptError naming the file; the target is left as it was."""
+@pytest.mark.parametrize("tensor_checks", [False, True], ids=["pass-first", "one-read"])
+def test_a_damaged_file_is_named(step_1, monkeypatch, damage, victim, pass_first, one_read, tensor_checks):
+    """A corrupt, truncated or missing file fails the load with CheckpointCorruptError naming the
+    file. In a pass first (no tensor checks after the load): before anything is read or loaded. In
+    the one read: `.metadata` before it is unpickled, and a missing or truncated file before anything
+    is read (the target is left as it was); a flipped data byte as the item or the tensor it lies in
+    is checked (the state then holds part of the checkpoint: the caller must not use it)."""
     _, ckpt = step_1
     files = read_manifest(ckpt)["files"]
     name = ".metadata" if victim == ".metadata" else sorted(f for f in files if f.endswith(".distcp"))[0]
@@ -334,12 +384,19 @@ def test_a_damaged_file_is_named_before_anything_is_read_or_loaded(step_1, monke
     events = _spy_load(monkeypatch)
     target = _target(1)
     before = _target(1)
-    expected = message.format(path=re.escape(str(path)), size=files[name]["size"] - 8, expected=files[name]["size"])
-    with pytest.raises(CheckpointCorruptError, match=rf"^{re.escape(str(ckpt))} failed verification before loading "
-                                                     rf"\(nothing was loaded\):\n  {expected}$"):
-        load_checkpoint(target, ckpt, fingerprint={"tensors": {}}, group=None, verify_files=True)
-    assert events == ["verify " + " ".join(sorted(files))]  # no .metadata parsed, no data read
-    assert _same_weights(target, before)
+    message = (one_read if tensor_checks else BEFORE + pass_first).format(
+        ckpt=re.escape(str(ckpt)), path=re.escape(str(path)), name=re.escape(name), size=files[name]["size"] - 8,
+        expected=files[name]["size"])
+    with pytest.raises(CheckpointCorruptError, match=message):
+        load_checkpoint(target, ckpt, fingerprint={"tensors": {}}, group=None, verify=tensor_checks, verify_files=True)
+    if not tensor_checks:
+        assert events == ["verify " + " ".join(sorted(files))]  # no .metadata parsed, no data read
+    elif victim == ".metadata" or damage is not _flip_middle:
+        assert events == []  # nothing parsed, nothing read
+    if tensor_checks and victim == "data" and damage is _flip_middle:
+        assert events[:2] == [".metadata", "checked"]  # found by the load's own read
+    else:
+        assert _same_weights(target, before)
 
 
 def test_checkpoints_skip_torch_saves_crc32_and_load_with_and_without_file_checks(tmp_path):

@@ -1,7 +1,9 @@
 """The I/O seam (checkpoint/io/): every save writes through DCP's own writer with fsdpkit's file
-checksums, and the manifest records the digest of every file's bytes; every load reads with DCP's
-reader without its pickle (io.safe_reader), after a pass that checks every file's checksum, which
-refuses a damaged file before anything is loaded. One process, a gloo world of one: the collectives
+checksums, and the manifest records the digest of every file's bytes and of every item in it; a
+resume reads each file once, through DCP's reader without its pickle that checks every item as it
+reads it (io.safe_reader with the manifest's files), and the tensors' checksums after the load; a
+load without those checks (checkpoint.verify_on_load=false) checks every file in a pass of its own
+first. Either refuses a damaged file naming it. One process, a gloo world of one: the collectives
 of save and load run for real.
 """
 
@@ -16,10 +18,12 @@ import torch
 import xxhash
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 
 from fsdpkit.checkpoint import Checkpointer, io, resume
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.hashing import DigestFileSystem
+from fsdpkit.checkpoint.io.checked_read import CheckedFileSystemReader
 from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.resume import verify_files
 from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
@@ -94,43 +98,57 @@ def test_the_manifest_records_the_digest_of_every_file_as_written(saved):
 
 
 def _spy_reads(m: pytest.MonkeyPatch) -> list[str]:
-    """In order: `verify` for each checksum pass, `.metadata` for each parse of it, `data` for each
-    read of tensor data (all through the safe reader)."""
+    """In order: `verify` for each checksum pass, `.metadata` for each parse of it, `checked` for each
+    read by the checking reader, `data` for each read as DCP's own reader reads."""
     from fsdpkit.checkpoint import safe_io
 
     events: list[str] = []
-    full, unpickle, read_data = resume.verify_files, safe_io.unpickle_dcp_metadata, SafeFileSystemReader.read_data
+    full, unpickle = resume.verify_files, safe_io.unpickle_dcp_metadata
     m.setattr(resume, "verify_files", lambda *a, **k: events.append("verify") or full(*a, **k))
     m.setattr(safe_io, "unpickle_dcp_metadata", lambda *a, **k: events.append(".metadata") or unpickle(*a, **k))
-    m.setattr(SafeFileSystemReader, "read_data", lambda *a, **k: events.append("data") or read_data(*a, **k))
+    for reader, event in ((FileSystemReader, "data"), (CheckedFileSystemReader, "checked")):
+        m.setattr(reader, "read_data", lambda *a, real=reader.read_data, event=event, **k:
+                  events.append(event) or real(*a, **k))
     return events
 
 
-def test_a_resume_checks_every_file_once_then_loads_bitwise_through_the_safe_reader(saved, monkeypatch):
+@pytest.mark.parametrize(("settings", "expected"), [
+    ({}, [".metadata", "checked"]),  # each file read once; .metadata parsed once (fsdpkit's read and dcp.load's)
+    ({"verify_on_load": False}, ["verify", ".metadata", "data"]),  # no tensor checks: a pass first
+], ids=["one-read", "pass-first"])
+def test_a_resume_checks_every_file_then_loads_bitwise(saved, monkeypatch, settings, expected):
     tensors, ckpt = saved
     events = _spy_reads(monkeypatch)
-    assert _same(_resume(ckpt), tensors)
-    # resolution of a local checkpoint leaves the checksums to the load, which checks them first, once;
-    # fsdpkit reads .metadata before dcp.load, and dcp.load again: one parse per load on a rank
-    assert events == ["verify", ".metadata", "data"]
+    assert _same(_resume(ckpt, **settings), tensors)
+    assert events == expected
     events.clear()
     root = ckpt.parent  # the same with resume=auto
     model, opt = _trained(seed=99)
-    with Checkpointer(root, model=model, optimizer=opt) as c:
+    with Checkpointer(root, model=model, optimizer=opt, **settings) as c:
         assert c.resume() == 2
     assert _same(_tensors(model, opt), tensors)
-    assert events == ["verify", ".metadata", "data"]
+    assert events == expected
 
 
-def test_a_resume_refuses_a_flipped_tensor_byte_naming_the_file_before_loading_anything(saved, monkeypatch):
+def test_a_resume_refuses_a_flipped_tensor_byte_naming_the_file(saved, monkeypatch):
+    """In the one read, the tensor's checksum after the load finds it, then its file's: the error names
+    the file (the state holds part of the checkpoint). In a pass first: before anything is loaded."""
     _, ckpt = saved
     model, opt = _trained(seed=0)
     _flip_weight_byte(ckpt, model)
     events = _spy_reads(monkeypatch)
     fresh, fresh_opt = _trained(seed=99)
+    with pytest.raises(CheckpointCorruptError, match=r"failed verification after loading: 1 tensor\(s\) differ from "
+                                                     r"their checksums \(model.0.weight\), and the files they were "
+                                                     r"read from fail theirs; .*\n  .*__0_0\.distcp fails its "
+                                                     r"checksum"):
+        _resume(ckpt, fresh, fresh_opt)
+    assert events == [".metadata", "checked", "verify"]
+    events.clear()
+    fresh, fresh_opt = _trained(seed=99)
     before = _tensors(fresh, fresh_opt)
     with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp fails its checksum"):
-        _resume(ckpt, fresh, fresh_opt)
+        _resume(ckpt, fresh, fresh_opt, verify_on_load=False)
     assert events == ["verify"] and _same(_tensors(fresh, fresh_opt), before)  # nothing was read or loaded
 
 
@@ -139,6 +157,8 @@ def test_the_seam_hands_out_dcp_own_writer_and_reader(tmp_path):
     assert type(writer) is FileSystemWriter and type(fs) is DigestFileSystem and writer.fs is fs
     reader = io.safe_reader(tmp_path)
     assert type(reader) is SafeFileSystemReader
+    checking = io.safe_reader(tmp_path, files={}, covered=())
+    assert type(checking) is CheckedFileSystemReader and isinstance(checking, SafeFileSystemReader)
 
 
 def _flip_weight_byte(ckpt: Path, model: nn.Module) -> None:

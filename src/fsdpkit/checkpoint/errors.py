@@ -15,7 +15,13 @@ class CheckpointCorruptError(CheckpointError):
 
 
 class CheckpointMismatchError(CheckpointError):
-    """The checkpoint does not fit the model or optimizer it is loaded into."""
+    """The checkpoint does not fit the model or optimizer it is loaded into, or the restored state
+    differs from it. `differing`: restored tensors of the right shape and dtype whose values differ
+    from their checksums (resume.verify_restored)."""
+
+    def __init__(self, message: str, *, differing: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.differing = differing or []
 
 
 class UnsafeCheckpointError(CheckpointError):

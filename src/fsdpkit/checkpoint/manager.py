@@ -45,7 +45,7 @@ from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
 from fsdpkit.checkpoint.resume import LoadReport, load_checkpoint, resolve_checkpoint, set_aside
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import FrozenShare, PlanCache, save_checkpoint
-from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful
+from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful, capture_rng, restore_rng
 from fsdpkit.checkpoint.storage import is_url, open_storage
 from fsdpkit.checkpoint.storage.mirror import Mirror
 from fsdpkit.checkpoint.storage.object_lock import ObjectLock
@@ -113,14 +113,14 @@ class Found:
 
     path: CkptPath | None
     lock: DirectoryLock | ObjectLock | None
-    verify_while_loading: bool = False  # its file checksums are still to check, by the load (a pass before it reads)
+    verify_while_loading: bool = False  # its checksums are still to check, by the load (resume.load_checkpoint)
     mirror_of: CkptPath | None = None  # `path` is checkpoint.local_dir's copy of this remote checkpoint
 
 
 def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Found:
     """Collective: lock `cfg.dir` (rank 0) and resolve `cfg.resume` (the newest committed, complete
-    checkpoint; with `verify_checksums` its file checksums are checked by `Checkpointer.resume`, in a
-    pass before the load reads it (resume.load_checkpoint); on object storage resolution checks them).
+    checkpoint; with `verify_checksums` its checksums are checked by `Checkpointer.resume`, as the load
+    reads it (resume.load_checkpoint); on object storage resolution checks its files in a pass).
     A loop that wants to know before building its model whether it will resume (to skip random init)
     calls this, then `Checkpointer.resume(found)`.
     With `local_dir`, the local copy of the resolved checkpoint replaces it when it matches (storage/mirror.py)."""
@@ -342,23 +342,35 @@ class Checkpointer:
         return self._fingerprint
 
     def _load_verified(self, path: CkptPath, *, while_loading: bool) -> LoadReport:
-        """Load `path`, its file checksums verified first (a pass before the load reads) if
-        `while_loading`. If that finds an auto-resumed checkpoint corrupt, fall back as resolution
-        with full verification does: set it aside and load the newest older checkpoint that passes."""
-        try:
-            return self._load(path, verify_files=while_loading)
-        except CheckpointCorruptError as e:
-            if not while_loading or self.cfg.resume != "auto":
-                raise
-            why = str(e)
-        on_main(lambda: set_aside(path, why), group=self.group, errors=(CheckpointError, OSError))
-        older = resolve_checkpoint("auto", ckpt_root=self.root, group=self.group, verify_checksums=True)
-        if older is None:
-            raise CheckpointCorruptError(
-                f"{why}\n{path.name} was moved aside and no older checkpoint passes verification; nothing was "
-                "loaded, but this run was set up to resume it (a loop may have skipped its model's "
-                "initialization), so it stops here: run again to start fresh")
-        return self._load(older, verify_files=False)
+        """Load `path`, its file checksums checked by the load itself if `while_loading` (each file
+        read once where it can: resume.load_checkpoint). If that finds an auto-resumed checkpoint
+        corrupt, the state holds part of it: set it aside and load the newest older checkpoint
+        over all of it, as long as one is found corrupt in turn; the RNG state goes back to what it
+        was first (a rank the older checkpoint has none for keeps its fresh seed, not the corrupt one's)."""
+        fresh_rng = capture_rng() if while_loading and self.cfg.resume == "auto" else None
+        tried: list[str] = []
+        while True:
+            try:
+                return self._load(path, verify_files=while_loading)
+            except CheckpointCorruptError as e:
+                if fresh_rng is None:
+                    raise
+                why = str(e)
+            if str(path.parent) == str(self.root):  # not checkpoint.local_dir's copy: the remote one may be intact
+                tried.append(path.name)
+            on_main(lambda path=path, why=why: set_aside(path, why), group=self.group,
+                    errors=(CheckpointError, OSError))
+            restore_rng(fresh_rng)
+            older = resolve_checkpoint("auto", ckpt_root=self.root, group=self.group, verify_checksums=False,
+                                       skip=tried)
+            if older is None:
+                raise CheckpointCorruptError(
+                    f"{why}\n{', '.join(tried)} {'was' if len(tried) == 1 else 'were'} moved aside and no older "
+                    "checkpoint passes verification; the state holds part of a corrupt checkpoint, and this run was "
+                    "set up to resume (a loop may have skipped its model's initialization), so it stops here: run "
+                    "again to start fresh")
+            log.warning("loading the older checkpoint %s instead of %s", older.name, path.name)
+            path = older
 
     def _load(self, path: CkptPath, *, verify_files: bool = False) -> LoadReport:
         model_only = self.cfg.resume_mode == "model_only"

@@ -94,6 +94,7 @@ def hex_digest(v: Any) -> str | None:
     return None if ok else f"must be 16 lowercase hex digits, got {v!r:.40}"
 
 
+HEX = re.compile(r"[0-9a-f]*")
 SHARED_DIR = re.compile(r"^shared/[A-Za-z0-9][A-Za-z0-9_.-]*$")  # a reference to frozen tensors (frozen.py)
 
 
@@ -106,7 +107,13 @@ def file_name(v: Any) -> str | None:
     return None if ok else f"must be a file name, got {v!r:.60}"
 
 
-FILES = map_of(record({"size": integer(0), "xxh3_64": hex_digest}))
+def item_digests(v: Any) -> str | None:
+    """A file's `items`: 16 lowercase hex digits per item, concatenated (io/items.py)."""
+    ok = isinstance(v, str) and len(v) % 16 == 0 and HEX.fullmatch(v) is not None
+    return None if ok else f"must be 16 lowercase hex digits per item, got {v!r:.40}"
+
+
+FILES = map_of(record({"size": integer(0), "xxh3_64": hex_digest}, optional={"items": item_digests}))
 
 
 def files(v: Any) -> str | None:

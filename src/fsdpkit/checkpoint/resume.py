@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.distributed as tdist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from fsdpkit.checkpoint.errors import (
     CheckpointCorruptError,
@@ -22,13 +23,15 @@ from fsdpkit.checkpoint.frozen import file_sets, merge_state, split_state
 from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
 from fsdpkit.checkpoint.io import safe_reader
+from fsdpkit.checkpoint.io.items import ITEMS
 from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.replicas import find_replication, load_replicated
-from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
+from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
 from fsdpkit.checkpoint.storage import open_storage
+from fsdpkit.dist import on_main
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -73,13 +76,14 @@ def set_aside(path: Path, why: str) -> None:
 
 
 def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None = None,
-                 threads: int = 4) -> list[str]:
-    """Recompute every file checksum (the shared files the checkpoint references too), split over
-    ranks (and threads); every rank gets all problems."""
+                 threads: int = 4, only: Callable[[Path, str, dict[str, Any]], bool] | None = None) -> list[str]:
+    """Recompute every file checksum (the shared files the checkpoint references too; with `only`,
+    the files (directory, name, manifest entry) it accepts), split over ranks (and threads); every
+    rank gets all problems."""
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     ws = tdist.get_world_size(group) if tdist.is_initialized() else 1
     listed = [(directory / name, info) for directory, files in file_sets(ckpt_dir, manifest)
-              for name, info in sorted(files.items())]
+              for name, info in sorted(files.items()) if only is None or only(directory, name, info)]
 
     def check(item: tuple[Path, dict[str, Any]]) -> str | None:
         path, info = item
@@ -102,12 +106,14 @@ def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.Proce
 
 
 def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGroup | None,
-                       verify_checksums: bool = True, storage_options: dict[str, Any] | None = None) -> Path | None:
+                       verify_checksums: bool = True, storage_options: dict[str, Any] | None = None,
+                       skip: Collection[str] = ()) -> Path | None:
     """The checkpoint every rank resumes from (rank 0 decides, all ranks verify together).
 
     `none`: None. `auto`: the newest committed checkpoint under `ckpt_root` that passes
-    verification, or None. A path: that checkpoint, which must be committed and intact (a URL is
-    opened with `storage_options`).
+    verification (complete; with `verify_checksums`, every file's checksum too), or None; names in
+    `skip` are passed over (found corrupt already, and not moved aside). A path: that checkpoint,
+    which must be committed and intact (a URL is opened with `storage_options`).
     """
     if resume == "none":
         return None
@@ -116,7 +122,7 @@ def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGrou
         candidates, explicit = None, False
         if rank == 0:
             corrupt: list[tuple[Path, str]] = []
-            candidates = [p.name for p, _ in committed_candidates(ckpt_root, corrupt=corrupt)]
+            candidates = [p.name for p, _ in committed_candidates(ckpt_root, corrupt=corrupt) if p.name not in skip]
             for path, why in corrupt:
                 set_aside(path, why)
     else:
@@ -177,32 +183,43 @@ def load_checkpoint(
 ) -> LoadReport:
     """Load `ckpt_dir` into `target` (resharding to the current world size as needed).
 
-    Checks the model fingerprint before touching any state. With `verify_files` (a checkpoint that
-    `resolve_checkpoint(verify_checksums=False)` found), then checks every file's size and checksum
-    against the manifest in a pass of its own, split over ranks (`verify_files`), before anything
-    reads a file to load it (`.metadata` included). With `verify`, recomputes per-tensor checksums
-    of what was restored and compares them with the manifest.
+    Checks the model fingerprint before touching any state. With `verify`, recomputes per-tensor
+    checksums of what was restored and compares them with the manifest. With `verify_files` (a
+    checkpoint whose file checksums resolution did not check), every byte the load uses is checked
+    against the manifest: a sharded checkpoint loaded with `verify` reads each file once, and
+    `.metadata` and every item of a file with item checksums are checked from that read before
+    anything decodes them (io/checked_read.py), the tensors' elements by `verify` after it; every
+    other file (a full checkpoint's, one written without item checksums, or all of them without
+    `verify`) is checked whole in a pass of its own, split over ranks, before the load reads any.
 
     Returns: what was loaded (the manifest), notes about tolerated changes, and timings.
     Raises:
         CheckpointMismatchError: incompatible model, optimizer state saved but no optimizer to take
             it (or the reverse; see check_optimizer), or restored state differs from what was saved.
         CheckpointCorruptError: with `verify_files`, a file is missing, truncated or fails its
-            checksum (nothing was loaded).
+            checksum. Found by the pass: nothing was loaded. Found while or after loading: `target`
+            holds part of the checkpoint and must not be used as it is (Checkpointer.resume loads
+            an older checkpoint over it, or stops the run).
     """
     t0 = time.perf_counter()
     manifest = read_manifest(ckpt_dir)
     notes = check_fingerprint(manifest["fingerprint"], fingerprint, ckpt_dir=ckpt_dir)
     if not model_only:
         check_optimizer(manifest, target, ckpt_dir=ckpt_dir)
-    if verify_files:  # both layouts, before any file is read for loading
-        _check_files(ckpt_dir, manifest, group=group)
+    sharded = manifest.get("state_dict_type", "sharded") != "full"
+    one_read = verify_files and verify and sharded
+    if one_read:  # before any file is read for loading: every file there, of its size (rank 0 looks)
+        on_main(lambda: _check_present(ckpt_dir, manifest), group=group, errors=(CheckpointCorruptError,))
+    if verify_files:  # and those the load's own read cannot check, whole
+        _check_files(ckpt_dir, manifest, group=group, only=_read_unchecked if one_read else None)
     rank = tdist.get_rank(group) if tdist.is_initialized() else 0
     tensors: dict[str, Any] = {}
-    if manifest.get("state_dict_type", "sharded") == "full":
+    readers: dict[str, Any] = {}
+    if not sharded:
         rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
     else:
-        rng, tensors = _load_sharded(target, ckpt_dir, manifest, rank=rank, group=group,
+        readers = _readers(ckpt_dir, manifest, checked=one_read)
+        rng, tensors = _load_sharded(target, ckpt_dir, manifest, readers, rank=rank, group=group,
                                      model_only=model_only)
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); "
@@ -214,9 +231,26 @@ def load_checkpoint(
     t_load = time.perf_counter()
     verify_s = None
     if verify:
-        verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir)
+        try:
+            verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir)
+        except CheckpointMismatchError as e:
+            if one_read and e.differing:  # the elements were not checked before: are their files intact?
+                _check_after_load(ckpt_dir, manifest, readers, keys=e.differing, group=group, cause=e)
+            raise
         verify_s = time.perf_counter() - t_load
     return LoadReport(manifest=manifest, notes=notes, load_s=t_load - t0, verify_s=verify_s)
+
+
+def _check_present(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
+    if problems := check_files_present(ckpt_dir, manifest):
+        raise CheckpointCorruptError(f"{ckpt_dir} failed verification before loading (nothing was loaded):\n  "
+                                     + "\n  ".join(problems))
+
+
+def _read_unchecked(directory: Path, name: str, info: dict[str, Any]) -> bool:
+    """Whether the load's own read cannot check file `name`: a data file without item checksums
+    (`.metadata` always can)."""
+    return name != METADATA_FILENAME and ITEMS not in info
 
 
 def check_optimizer(manifest: dict[str, Any], target: CheckpointTarget, *, ckpt_dir: Path) -> None:
@@ -258,24 +292,35 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensor
                 "resume with checkpoint.resume_mode=model_only, or start fresh") from None
 
 
-def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, Any], *, rank: int,
-                  group: tdist.ProcessGroup | None, model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    """DCP load (resharding as needed) into the live model/optimizer through the safe reader (one
-    load per directory: the checkpoint's, and each shared one it references); returns this rank's
-    RNG state and the Stateful pieces' tensors (by `state.<name>.<path>`).
+def _readers(ckpt_dir: Path, manifest: dict[str, Any], *, checked: bool) -> dict[str, Any]:
+    """A DCP reader per directory the load reads (the checkpoint's, then each shared one it
+    references), by str(directory); `checked`: each checks what it reads against the manifest
+    (io/checked_read.py)."""
+    covered = manifest["tensors"].keys()
+    return {str(directory): safe_reader(directory, files=files if checked else None, covered=covered)
+            for directory, files in file_sets(ckpt_dir, manifest)}
+
+
+def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, Any], readers: dict[str, Any], *,
+                  rank: int, group: tdist.ProcessGroup | None,
+                  model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """DCP load (resharding as needed) into the live model/optimizer through `readers` (one load
+    per directory: the checkpoint's, and each shared one it references); returns this rank's RNG
+    state and the Stateful pieces' tensors (by `state.<name>.<path>`).
 
     Where the live state is replicated (HYBRID_SHARD, NO_SHARD: replicas.find_replication), one
     replica group reads and sends the others what it read (replicas.py): each byte is read once."""
     state = target.tensor_state(rank=rank, model_only=model_only)
-    reader = safe_reader(ckpt_dir)
+    reader = readers[str(ckpt_dir)]
 
     def read(into: dict[str, Any], *, group: tdist.ProcessGroup | None, no_dist: bool = False) -> None:
         parts = split_state(into, manifest, ckpt_dir)  # frozen tensors shared with other checkpoints (frozen.py)
         try:
+            for loading in [reader] + [readers[str(directory)] for directory, _ in parts]:
+                _read_metadata(loading, ckpt_dir=ckpt_dir)  # every .metadata first: a bad one fails before any load
             for directory, part in parts:
-                dcp.load(part, storage_reader=safe_reader(directory), planner=SafeLoadPlanner(),
-                         process_group=group, no_dist=no_dist)
-            dcp.load(into, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group, no_dist=no_dist)
+                _dcp_load(part, readers[str(directory)], group=group, no_dist=no_dist)
+            _dcp_load(into, reader, group=group, no_dist=no_dist)
         finally:
             merge_state(into, parts)
 
@@ -284,34 +329,99 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, 
         rng = load_replicated(state, reader, read=read, replication=replication, group=group, ckpt_dir=ckpt_dir,
                               manifest=manifest)
     else:
-        rng = _load_every_rank(state, reader, read=read, rank=rank, group=group)
+        _agree_on_metadata(list(readers.values()), ckpt_dir=ckpt_dir, group=group)
+        rng = _load_every_rank(state, reader, read=read, rank=rank, group=group, ckpt_dir=ckpt_dir)
     target.restore_tensors(state)
     tensors = {f"state.{k}": v for k, v in state.get("state", {}).items()}
     return rng, tensors
 
 
+def _read_metadata(reader: Any, *, ckpt_dir: Path) -> Any:
+    """`reader`'s `.metadata` (parsed once per reader, safe_io.SafeMetadataReading): read before
+    dcp.load, which would retry a per-rank file and lose a refusal's type. A corrupt one says that
+    nothing was loaded."""
+    try:
+        return reader.read_metadata()
+    except CheckpointCorruptError as e:
+        raise CheckpointCorruptError(f"{ckpt_dir} failed verification before loading (nothing was loaded):\n  {e}") \
+            from e
+
+
+def _agree_on_metadata(readers: list[Any], *, ckpt_dir: Path, group: tdist.ProcessGroup | None) -> None:
+    """Collective: every rank reads every directory's `.metadata` (`_read_metadata`), then all learn
+    whether any failed and raise the first failure (its type and message) together. Without it a
+    rank that found `.metadata` corrupt would set the checkpoint aside while another still reads it.
+    (A replicated load agrees in replicas.py.)"""
+    failure: tuple[type, str] | None = None
+    try:
+        for reader in readers:
+            _read_metadata(reader, ckpt_dir=ckpt_dir)
+    except CheckpointError as e:
+        failure = (type(e), str(e))
+    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
+        everyone: list[tuple[type, str] | None] = [None] * tdist.get_world_size(group)
+        tdist.all_gather_object(everyone, failure, group=group)
+        failure = next((f for f in everyone if f is not None), None)
+    if failure is not None:
+        raise failure[0](failure[1])
+
+
+def _dcp_load(state: dict[str, Any], reader: Any, *, group: tdist.ProcessGroup | None, no_dist: bool) -> None:
+    """dcp.load through `reader` (its `.metadata` read before, `_read_metadata`)."""
+    dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), process_group=group, no_dist=no_dist)
+
+
 def _load_every_rank(state: dict[str, Any], reader: Any, *, read: Callable[..., None], rank: int,
-                     group: tdist.ProcessGroup | None) -> dict[str, Any] | None:
-    """Every rank reads its own part of the checkpoint (`read`); this rank's RNG state, if saved."""
-    # Read the metadata through the safe reader first, so a refusal surfaces as our own error type.
+                     group: tdist.ProcessGroup | None, ckpt_dir: Path) -> dict[str, Any] | None:
+    """Every rank reads its own part of the checkpoint (`read`); this rank's RNG state, if saved.
+    A checkpoint error that DCP's load raised on any rank (a corrupt item) is raised on every rank
+    as its own type."""
     if "rng" in state:  # a rank the saving run did not have, or a generator it lacked (CUDA saved on a CPU host)
-        saved = reader.read_metadata().state_dict_metadata
+        saved = _read_metadata(reader, ckpt_dir=ckpt_dir).state_dict_metadata
         rng = {k: v for k, v in state["rng"][f"rank{rank}"].items() if f"rng.rank{rank}.{k}" in saved}
         if "torch_cpu" in rng:
             state["rng"][f"rank{rank}"] = rng
         else:
             del state["rng"]
-    read(state, group=group)
+    try:
+        read(state, group=group)
+    except CheckpointException as e:  # a BaseException: see errors.py
+        causes = [cause for cause, _ in e.failures.values() if isinstance(cause, CheckpointError)]
+        if not causes:
+            raise
+        raise type(causes[0])(f"{ckpt_dir} failed verification while loading; the state loaded so far must not be "
+                              f"used:\n  {causes[0]}") from e
     return state["rng"][f"rank{rank}"] if "rng" in state else None
 
 
-def _check_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None) -> None:
-    """Collective: raise CheckpointCorruptError naming every file of `manifest` that is missing,
-    has another size or fails its checksum (`verify_files`)."""
-    problems = verify_files(ckpt_dir, manifest, group=group)
+def _check_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None,
+                 only: Callable[[Path, str, dict[str, Any]], bool] | None = None) -> None:
+    """Collective: raise CheckpointCorruptError naming every file of `manifest` (that `only`
+    accepts) that is missing, has another size or fails its checksum (`verify_files`)."""
+    if only is not None and not any(only(directory, name, info) for directory, files in file_sets(ckpt_dir, manifest)
+                                    for name, info in files.items()):
+        return  # nothing to check (every rank sees the same manifest)
+    problems = verify_files(ckpt_dir, manifest, group=group, only=only)
     if problems:
         raise CheckpointCorruptError(f"{ckpt_dir} failed verification before loading (nothing was loaded):\n  "
                                      + "\n  ".join(problems))
+
+
+def _check_after_load(ckpt_dir: Path, manifest: dict[str, Any], readers: dict[str, Any], *, keys: list[str],
+                      group: tdist.ProcessGroup | None, cause: CheckpointMismatchError) -> None:
+    """Collective, after a one-read load restored `keys` with other checksums than the manifest's:
+    check the files their elements were read from, whole. Raise CheckpointCorruptError naming
+    those that fail (the bytes were corrupt); return if they pass (the restore changed the values:
+    the caller raises `cause`)."""
+    holders = {(directory, info.relative_path) for directory, reader in readers.items()
+               for index, info in reader.read_metadata().storage_data.items() if index.fqn in keys}
+    problems = verify_files(ckpt_dir, manifest, group=group,
+                            only=lambda directory, name, _: (str(directory), name) in holders)
+    if problems:
+        raise CheckpointCorruptError(
+            f"{ckpt_dir} failed verification after loading: {len(keys)} tensor(s) differ from their checksums "
+            f"({', '.join(keys[:5])}{', ...' if len(keys) > 5 else ''}), and the files they were read from fail "
+            "theirs; the state loaded must not be used:\n  " + "\n  ".join(problems)) from cause
 
 
 def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None,
@@ -325,10 +435,13 @@ def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group
     saved = {k: v for k, v in manifest["tensors"].items() if not model_only or k.startswith("model.")}
     problems = [f"{k}: in the checkpoint, not restored" for k in sorted(saved.keys() - live.keys())]
     problems += [f"{k}: restored, but not in the checkpoint" for k in sorted(live.keys() - saved.keys())]
+    differing = []  # keys of the right shape and dtype whose values differ
     for k in sorted(saved.keys() & live.keys()):
         for field in ("shape", "dtype", "hash"):
             if saved[k][field] != live[k][field]:
                 problems.append(f"{k}: {field} saved {saved[k][field]}, restored {live[k][field]}")
+                if field == "hash":
+                    differing.append(k)
     expected = manifest.get("trainer", {}).get("train", {}).get("step")  # a loop without fsdpkit's counters: none
     if not model_only and expected is not None and target.optimizer is not None:
         opt_steps = {int(s["step"]) for s in target.optimizer.state.values() if "step" in s}
@@ -337,5 +450,4 @@ def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group
     if problems:
         raise CheckpointMismatchError(
             f"restored state differs from checkpoint {ckpt_dir} ({len(problems)} problem(s)):\n  "
-            + "\n  ".join(problems[:40])
-        )
+            + "\n  ".join(problems[:40]), differing=differing)

@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from typing import IO, Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import metadata as _dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -265,9 +266,15 @@ class SafeMetadataReading:
     `SafeUnpickler` instead of `pickle.load`. Mirrors `FileSystemReader.read_metadata` exactly,
     except for the unpickling; `self.fs` decides where the bytes come from.
 
+    With `expected_files` (the manifest's `files` of the directory), `.metadata` is read whole
+    and its size and xxh3-64 checked against its entry before it is unpickled
+    (CheckpointCorruptError naming the file otherwise).
+
     A reader parses its file once: fsdpkit reads the metadata before `dcp.load` (to check what the
     checkpoint holds), and `dcp.load` reads it again on every rank; the second read is the first's
     object (keyed by file and load id, so a `reset` to another checkpoint reads that one)."""
+
+    expected_files: dict[str, Any] | None = None
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
@@ -276,14 +283,31 @@ class SafeMetadataReading:
         key = (str(path), self.load_id)
         if key in parsed:
             return parsed[key]
+        expected = (self.expected_files or {}).get(METADATA_FILENAME) if rank is None else None
         with self.fs.create_stream(path, "rb") as metadata_file:
-            metadata = unpickle_dcp_metadata(metadata_file, source=path)
+            if expected is None:
+                metadata = unpickle_dcp_metadata(metadata_file, source=path)
+            else:
+                metadata = unpickle_dcp_metadata(io.BytesIO(_checked(metadata_file.read(), expected, path)),
+                                                 source=path)
 
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         parsed[key] = metadata
         return metadata
+
+
+def _checked(data: bytes, expected: dict[str, Any], path: Any) -> bytes:
+    """`data` if its size and xxh3-64 are the manifest's `expected`; else CheckpointCorruptError."""
+    if len(data) != expected["size"]:
+        raise CheckpointCorruptError(f"{path} has {len(data)} bytes, expected {expected['size']} (truncated or "
+                                     "overwritten); nothing was unpickled from it")
+    digest = xxhash.xxh3_64_hexdigest(data)
+    if digest != expected["xxh3_64"]:
+        raise CheckpointCorruptError(f"{path} fails its checksum (xxh3_64 {digest}, expected {expected['xxh3_64']}): "
+                                     "the file is corrupt; nothing was unpickled from it")
+    return data
 
 
 class SafeFileSystemReader(SafeMetadataReading, FileSystemReader):

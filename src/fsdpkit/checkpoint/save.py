@@ -38,7 +38,7 @@ from fsdpkit.checkpoint.hashing import (
     tensor_hashes,
     zip_crc32_off,
 )
-from fsdpkit.checkpoint.io import hashing_writer
+from fsdpkit.checkpoint.io import hashing_writer, record_items
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, publish_latest, swap_in
 from fsdpkit.checkpoint.manifest import (
     FORMAT,
@@ -257,7 +257,8 @@ class FrozenShare:
             try:
                 writer, fs = hashing_writer(into, thread_count=thread_count)
                 with zip_crc32_off():
-                    dcp.save(frozen, storage_writer=writer, process_group=group)
+                    metadata = dcp.save(frozen, storage_writer=writer, process_group=group)
+                record_items(into, fs.files, metadata, covered=frozenset(table))
                 files = {n: i for rank_files in _gather(fs.files, group) for n, i in rank_files.items()}
             except BaseException:
                 if _rank(group) == 0:  # a fresh name that nothing references: give the space back
@@ -344,19 +345,21 @@ def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.Proce
     """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
     Safe to run on a background thread when `group` is used by nothing else meanwhile. A remote
     checkpoint's files are also written to `mirror`, if given (storage/mirror.py). The files go through
-    io.hashing_writer; with `plans`, DCP reuses the previous save's plan where nothing changed."""
+    io.hashing_writer, and each data file gets its item checksums (io.record_items; local only);
+    with `plans`, DCP reuses the previous save's plan where nothing changed."""
 
     # every rank writes its shards through DCP
     def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         writer, fs = hashing_writer(into, thread_count=thread_count, mirror=mirror)
         try:
             with zip_crc32_off():
-                dcp.save(snapshot.state, storage_writer=writer, process_group=group,
-                         planner=plans.planner() if plans is not None else None)
+                metadata = dcp.save(snapshot.state, storage_writer=writer, process_group=group,
+                                    planner=plans.planner() if plans is not None else None)
         except BaseException:
             if plans is not None:  # every rank's save raises: every rank starts its cache afresh
                 plans.renew()
             raise
+        record_items(into, fs.files, metadata, covered=frozenset(checksummed_tensors(snapshot.state)))
         return _gather(fs.files, group), {}
 
     return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="sharded", write=write, on_commit=on_commit)

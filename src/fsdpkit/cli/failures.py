@@ -59,8 +59,8 @@ def describe_failures(failures: dict[int, Any], *, world_size: int) -> list[str]
 
 
 def rerun_takes(cfg: Config) -> str:
-    """Which checkpoint a rerun of the same command resumes from (checked as `resume=auto` does,
-    without the checksum pass)."""
+    """Which checkpoint a rerun of the same command resumes from (checked as `resume=auto` resolves
+    it, without reading its files: a corrupt one is found by the rerun's load)."""
     resume = cfg.checkpoint.resume
     if resume == "none":
         return "a rerun starts from scratch (checkpoint.resume=none)"

@@ -17,7 +17,7 @@ MIXED_PRECISION_PRESETS = ("fp32", "bf16-mixed", "bf16-true")
 PACKING = ("true", "false", "concat")
 OVERLONG = ("truncate", "drop", "split")
 REMOVED_KEYS = {
-    "checkpoint.io": "every load now reads with DCP's own reader, after a pass that checks every file's checksum "
+    "checkpoint.io": "every load now reads with DCP's own reader, checking every file's checksums "
                      "(checkpoint.verify_checksums)",
 }
 """Keys that were settings once, with what replaced them: a config that still sets one is refused
@@ -337,11 +337,15 @@ class CheckpointConfig:
     (stop before the first step and say so) or `archive` (move them to `dir`/archive/<time>/).
     Nothing is ever deleted; two runs never share a directory."""
     verify_checksums: bool = True
-    """Verify every file's size and checksum on resume, in a pass of its own before the load reads
-    the files (spread over ranks), and refuse corrupt files: with resume=auto a corrupt newest
-    checkpoint is moved aside and the next older one loaded."""
+    """Check every byte a resume uses against the manifest's checksums, and refuse corrupt files:
+    with verify_on_load, from the load's own read (each file read once: `.metadata` and every item
+    checked before they are decoded, the tensors' values by verify_on_load); otherwise, and for
+    files without item checksums, in a pass over the files (spread over ranks) before the load reads
+    them. With resume=auto a corrupt newest checkpoint is moved aside and the next older one loaded
+    over whatever it had loaded."""
     verify_on_load: bool = True
-    """After loading, compare per-tensor checksums and optimizer step counts with the manifest."""
+    """After loading, compare per-tensor checksums and optimizer step counts with the manifest
+    (with verify_checksums, this is what proves the tensors' values read in the one read)."""
     timeout_s: float = 600.0
     """Bound on every collective around a save or load: a dead or stuck rank fails the save on
     all ranks after this long instead of hanging them."""

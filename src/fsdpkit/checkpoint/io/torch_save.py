@@ -4,7 +4,9 @@ Why: DCP's FileSystemWriter stores every tensor chunk as one `torch.save` blob (
 zip: `<prefix>/data.pkl` describes the tensor, `<prefix>/data/<key>` holds the raw storage bytes)
 at a byte range of a `.distcp` file. Knowing where the raw bytes start lets the exporter read
 any rows of a chunk with a plain `pread` into a reused buffer: no copy of the whole chunk, no
-mmap (which would count the file against RLIMIT_AS and the process's RSS).
+mmap (which would count the file against RLIMIT_AS and the process's RSS); and the resume's reader
+(checked_read.py) read only the rows it needs. `storage_span` finds the raw bytes from the zip
+headers alone, unpickling nothing: what an item checksum leaves out (items.py).
 
 `data.pkl` is decoded by `_TensorRecordUnpickler`, which accepts exactly the globals a tensor
 pickle names (`torch._utils._rebuild_tensor_v2/_v3`, storage classes, dtypes, OrderedDict) and
@@ -156,18 +158,8 @@ def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
         UnsafeCheckpointError: data.pkl names a global outside the tensor allow-list.
         CheckpointCorruptError: not a zip, compressed, big-endian, or the storage record is short.
     """
-    try:
-        archive = zipfile.ZipFile(blob)
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
-        raise CheckpointCorruptError(f"`{source}` is not a torch.save archive ({exc}); the file is truncated or "
-                                     "garbled") from None
-    with archive:
-        pkl = next((i for i in archive.infolist() if i.filename.endswith("/data.pkl") or i.filename == "data.pkl"),
-                   None)
-        if pkl is None:
-            raise CheckpointCorruptError(f"`{source}` has no data.pkl: not a torch.save archive")
-        prefix = pkl.filename[: -len("data.pkl")]
-        infos = {i.filename: i for i in archive.infolist()}
+    infos, prefix = _directory(blob, source)
+    pkl = infos[f"{prefix}data.pkl"]
     # Records are read raw, not with archive.read: that checks each record's CRC32, which
     # checkpoints written with torch.save's CRC32 off (fsdpkit writes them so) leave at 0.
     order = infos.get(f"{prefix}byteorder")
@@ -189,6 +181,44 @@ def locate_tensor(blob: IO[bytes], *, source: str) -> TensorPayload:
         raise CheckpointCorruptError(f"`{source}`: storage record runs past the end of the blob (truncated)")
     return TensorPayload(dtype=record.dtype, shape=record.shape, stride=record.stride,
                          storage_offset=record.storage_offset, data_start=data_start, storage_bytes=info.file_size)
+
+
+def storage_span(blob: IO[bytes], *, source: str) -> tuple[int, int]:
+    """[start, end) of the one storage record (`<prefix>/data/<key>`: the tensor's elements) of the
+    `torch.save` archive of a tensor in `blob` (a seekable view of exactly that archive).
+
+    Reads the zip directory and that record's local header only: nothing is unpickled, so it may
+    run on bytes not yet checked (io/items.py leaves the span out of a tensor item's checksum).
+
+    Raises:
+        CheckpointCorruptError: not a zip archive, no data.pkl, not exactly one storage record, a
+            compressed record, or a record that runs past the end of the blob.
+    """
+    infos, prefix = _directory(blob, source)
+    records = [info for name, info in infos.items() if name.startswith(f"{prefix}data/")]
+    if len(records) != 1:
+        raise CheckpointCorruptError(f"`{source}` holds {len(records)} storage records, a saved tensor one: the file "
+                                     "is truncated or garbled")
+    start = _data_start(blob, records[0], source)
+    end = start + records[0].file_size
+    if end > blob.seek(0, io.SEEK_END):
+        raise CheckpointCorruptError(f"`{source}`: storage record runs past the end of the blob (truncated)")
+    return start, end
+
+
+def _directory(blob: IO[bytes], source: str) -> tuple[dict[str, zipfile.ZipInfo], str]:
+    """The records of a `torch.save` archive by name, and their common prefix (`<name>/`)."""
+    try:
+        archive = zipfile.ZipFile(blob)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise CheckpointCorruptError(f"`{source}` is not a torch.save archive ({exc}); the file is truncated or "
+                                     "garbled") from None
+    with archive:
+        infos = {i.filename: i for i in archive.infolist()}
+    pkl = next((name for name in infos if name.endswith("/data.pkl") or name == "data.pkl"), None)
+    if pkl is None:
+        raise CheckpointCorruptError(f"`{source}` has no data.pkl: not a torch.save archive")
+    return infos, pkl[: -len("data.pkl")]
 
 
 def _data_start(blob: IO[bytes], info: zipfile.ZipInfo, source: str) -> int:
