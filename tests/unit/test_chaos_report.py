@@ -1,6 +1,7 @@
 """make chaos's verdicts (chaos/run.py): a trial whose fault did not land where its case names it is
-"not exercised", never a pass, and a case with no exercised trial fails the run; and where a
-disk-full case's fault landed is read from the error the product's own code path reports."""
+"not exercised", never a pass, and a case with no exercised trial fails the run; where a disk-full
+case's fault landed is read from the error the product's own code path reports, and whether a
+mid-save signal landed in a save from the stall record tests/faults writes inside a real save."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import cases  # noqa: E402  (chaos/cases.py)
 import run  # noqa: E402  (chaos/run.py)
 from harness import Outcome  # noqa: E402
 
-from faults import fired, injected, manifest_enospc, shard_enospc  # noqa: E402
+from faults import fired, injected, manifest_enospc, shard_enospc, stall_mid_write  # noqa: E402
 from fsdpkit.checkpoint.errors import CheckpointSaveError  # noqa: E402
 from fsdpkit.checkpoint.save import save_checkpoint  # noqa: E402
 from fsdpkit.checkpoint.state import CheckpointTarget  # noqa: E402
@@ -70,3 +71,18 @@ def test_a_full_disk_reported_without_its_file_names_nowhere():
     assert cases.where_the_disk_filled("OSError: [Errno 28] No space left on device\n") is None
     assert cases.where_the_disk_filled("OSError: [Errno 22] Invalid argument\n"
                                        "fsdpkit: while writing checkpoint file /x/step_2/__0_0.distcp\n") is None
+
+
+def test_a_signal_lands_in_a_save_only_while_the_victims_stall_holds_it(tmp_path):
+    """The mid-save cases' proof (cases.held_in_save) reads the stall's own record, as tests/faults
+    writes it from inside a real save: the signal must fall wholly within that rank's stall."""
+    marker = tmp_path / "fired.jsonl"
+    meta = {"run_id": "run-a", "fingerprint": {"tensors": {}}, "metrics": {}}
+    with injected(stall_mid_write(seconds=0.3), marker=marker):
+        save_checkpoint(_target(4), ckpt_dir=tmp_path / "step_3", step=3, meta=meta, group=None)
+    (stall,) = fired(marker)
+    t = stall["time"]
+    assert cases.held_in_save(marker, 0, sent=(t + 0.1, t + 0.2))
+    assert not cases.held_in_save(marker, 0, sent=(t + 0.1, t + 0.4))  # the stall ended before the signal went
+    assert not cases.held_in_save(marker, 0, sent=(t - 0.1, t + 0.1))  # sent before the stall began
+    assert not cases.held_in_save(marker, 1, sent=(t + 0.1, t + 0.2))  # rank 1 was never held
