@@ -346,7 +346,7 @@ def fuzz(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
         run, stop, failed = _stopped_run(ctx, f"fuzz_{kind.replace(' ', '_')}_{trial}", rng)
         if failed:
             return _fail(out, failed)
-        what = MUTATIONS[kind](rng, ckpt_root(run) / f"step_{stop}", ckpt_root(run))
+        _, what = MUTATIONS[kind](rng, ckpt_root(run) / f"step_{stop}", ckpt_root(run))
         out.detail = what
         done = _rerun_exact(ctx, run, out, expect_resume=stop if kind == "junk latest" else stop - 2)
         if done.ok and kind != "junk latest" and kind != "manifest deleted":
