@@ -7,11 +7,12 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import psutil
 from harness import (
@@ -90,13 +91,26 @@ def _stalled_saves(run: Path) -> tuple[dict[str, str], Path]:
     return faults_env(stall_mid_write(seconds=STALL_S), marker=marker), marker
 
 
-def _wait_in_save(job: Job, *, marker: Path | None = None, timeout: float = 120) -> bool:
-    """True once a save is in flight: with `marker` (_stalled_saves), once a new stall started (the save is
-    then held, its directory uncommitted, for STALL_S); otherwise once an uncommitted directory appears."""
+def _wait_in_save(job: Job, *, marker: Path | None = None, rank: int | None = None, since: float = 0.0,
+                  timeout: float = 120) -> bool:
+    """True once a save is in flight: with `marker` (_stalled_saves), once a new stall started (on `rank`,
+    if given: that rank is then held in its shard write, the save uncommitted, for STALL_S); otherwise
+    once an uncommitted directory written in since `since` appears."""
     if marker is not None:
-        before = len(fired(marker))
-        return job.wait_for(lambda: len(fired(marker)) > before, timeout=timeout, poll=0.003)
-    return job.wait_for(lambda: bool(uncommitted(job.run)), timeout=timeout, poll=0.003)
+        def stalls() -> int:
+            return sum(rank is None or f["rank"] == rank for f in fired(marker, "stall_mid_write"))
+        before = stalls()
+        return job.wait_for(lambda: stalls() > before, timeout=timeout, poll=0.003)
+    return job.wait_for(lambda: bool(uncommitted(job.run, since=since)), timeout=timeout, poll=0.003)
+
+
+def held_in_save(marker: Path, rank: int, *, sent: tuple[float, float]) -> bool:
+    """Whether a stall (_stalled_saves) held `rank` in a save's shard write through the whole of `sent`
+    (wall-clock times just before and just after a signal went to it): the stall's own record says when
+    it started, and a save cannot commit while one of its shard writes is held. The evidence comes from
+    the fault, not from the directories the product leaves (or cleans up)."""
+    return any(f["time"] <= sent[0] and sent[1] < f["time"] + f["seconds"]
+               for f in fired(marker, "stall_mid_write") if f["rank"] == rank)
 
 
 # -- the whole job SIGKILLed (launcher and every rank, by pid), 1-3 times, then a rerun ----------
@@ -111,13 +125,15 @@ def kill_job(mode: str) -> Callable[[int, random.Random, Context], Outcome]:
                 break
             target = rng.randint(start + 1, MAX_STEPS - 1)
             delay = rng.uniform(0.0, 0.3)
+            launched = time.time()
             job = Job(run, *extra, tag="kill")
             job.wait_step(target)
             time.sleep(delay)
-            before = uncommitted(run)
             job.kill_all()
             out.kills += 1
-            out.kills_in_save += bool(uncommitted(run) - before)
+            # a save of this job was in flight: it left a directory without a manifest (nothing of the
+            # product runs after a SIGKILL to clean it up); older ones are the debris of earlier kills
+            out.kills_in_save += bool(uncommitted(run, since=launched))
         out = _rerun_exact(ctx, run, out, expect_resume=_committed_step(run))
         return _unless_landed(out, out.kills > 0, "no kill: the run had already reached its last steps")
     return case
@@ -131,20 +147,26 @@ def one_rank(sig: int, where: str, mode: str) -> Callable[[int, random.Random, C
         out = Outcome(case=f"{name} rank, {where}, {mode}", trial=trial, seed=ctx.seed, ok=True)
         victim = rng.randint(0, 1)
         extra = ["checkpoint.async=true"] if mode == "async" else []
-        env, marker = _stalled_saves(run) if mode == "async" and where == "mid-save" else ({}, None)
+        # mid-save: every save is held STALL_S in its shard writes, and the victim's own stall record
+        # proves the signal landed inside one (a sync save of this model lasts ~0.2 s otherwise)
+        env, marker = _stalled_saves(run) if where == "mid-save" else ({}, None)
+        launched = time.time()
         job = Job(run, *extra, *TIMEOUTS, env=env)
         job.wait_step(rng.randint(3, 8))
-        if where == "mid-save" and not _wait_in_save(job, marker=marker):
-            job.kill_all()
-            return _fail(out, "no save started")
         procs = job.processes()
         rank = job.rank(victim)
         if rank is None:
             job.kill_all()
             return _fail(out, f"rank {victim} not found")
-        t0 = time.monotonic()
+        if marker is not None and not _wait_in_save(job, marker=marker, rank=victim):
+            job.kill_all()
+            return _fail(out, f"no save started on rank {victim}")
+        t0, before = time.monotonic(), time.time()
         rank.send_signal(sig)
-        out.kills, out.kills_in_save = 1, int(bool(uncommitted(run)))
+        sent = (before, time.time())
+        in_save = (held_in_save(marker, victim, sent=sent) if marker is not None
+                   else bool(uncommitted(run, since=launched)))  # mid-step: a background save may be in flight
+        out.kills, out.kills_in_save = 1, int(in_save)
         gone = job.gone_after(procs, t_signal=t0, timeout=EXIT_BOUND_S)
         if gone is None:
             job.kill_all()
@@ -160,7 +182,8 @@ def one_rank(sig: int, where: str, mode: str) -> Callable[[int, random.Random, C
             return _fail(out, f"the launcher did not name rank {victim}: {_tail(job)}")
         out = _rerun_exact(ctx, run, out, expect_resume=_committed_step(run))
         landed = where != "mid-save" or out.kills_in_save > 0
-        return _unless_landed(out, landed, f"{name} reached rank {victim} after the save had committed")
+        return _unless_landed(out, landed, f"{name} reached rank {victim} outside its held save ({STALL_S} s "
+                                           f"from its stall record)")
     return case
 
 
@@ -176,6 +199,7 @@ def preempt(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
         job.wait_step(rng.randint(3, 10))
         before = _committed_step(run)
         procs = job.processes()
+        rank0 = job.rank(0) if second else None
         t0 = time.monotonic()
         if kind == "launcher-SIGTERM" or second:
             job.proc.send_signal(signal.SIGTERM)
@@ -184,11 +208,12 @@ def preempt(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
             target.send_signal(signal.SIGUSR1 if kind == "rank-SIGUSR1" else signal.SIGTERM)
         out.kills = 1
         if second:
-            if not _wait_in_save(job, marker=marker, timeout=60):
+            if rank0 is None or not _wait_in_save(job, marker=marker, rank=0, timeout=60):
                 job.kill_all()
-                return _fail(out, "the preemption save never started")
-            job.rank(0).send_signal(signal.SIGTERM)
-            out.kills, out.kills_in_save = 2, 1
+                return _fail(out, "the preemption save never started on rank 0")
+            t_before = time.time()
+            rank0.send_signal(signal.SIGTERM)
+            out.kills, out.kills_in_save = 2, int(held_in_save(marker, 0, sent=(t_before, time.time())))
         gone = job.gone_after(procs, t_signal=t0, timeout=EXIT_BOUND_S + 60)
         if gone is None:
             job.kill_all()
@@ -197,12 +222,15 @@ def preempt(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
         rc = job.finish(timeout=10)
         after = _committed_step(run)
         if second:
-            if rc in (0, EXIT_PREEMPTED) or after != before:
+            if out.kills_in_save and (rc in (0, EXIT_PREEMPTED) or after != before):
                 return _fail(out, f"a second signal during the save: exit {rc}, latest {before} -> {after} "
                                   "(expected a non-zero exit and latest unchanged)")
         elif rc != EXIT_PREEMPTED or latest_manifest(run).get("reason") != "preempted":
             return _fail(out, f"exit {rc}, latest {after}: expected {EXIT_PREEMPTED} and a preempted checkpoint")
-        return _rerun_exact(ctx, run, out, expect_resume=after)
+        out = _rerun_exact(ctx, run, out, expect_resume=after)
+        held = not second or out.kills_in_save > 0
+        return _unless_landed(out, held, f"the second signal reached rank 0 outside its held save ({STALL_S} s "
+                                         "from its stall record)")
     return case
 
 
@@ -221,16 +249,38 @@ def disk_full(where: str) -> Callable[[int, random.Random, Context], Outcome]:
         job = Job(run, f"checkpoint.dir={mnt}/ckpt", "checkpoint.every_steps=2", *TIMEOUTS,
                   prefix=["unshare", "-m", "sh", "-c", inner, "sh"])
         rc = job.finish(timeout=300)  # its time to exit is not timed: when the disk filled is not observed
-        text = job.stderr()
         if rc == 0:
             return _fail(out, f"the job finished although its disk was full (tmpfs {size} bytes)")
-        if "No space left on device" not in text and "ENOSPC" not in text:
-            return _fail(out, f"exit {rc} without naming the full disk: {_tail(job)}")
-        committed = _committed_step(run)
-        landed = _where_it_failed(run)
-        out = _rerun_exact(ctx, run, out, expect_resume=committed)
-        return _unless_landed(out, landed == where, f"the disk filled in the {landed}, not the {where}")
+        landed = where_the_disk_filled(job.stderr())
+        if landed is None:
+            return _fail(out, f"exit {rc} without naming a file it could not write for want of space: {_tail(job)}")
+        out = _rerun_exact(ctx, run, out, expect_resume=_committed_step(run))
+        return _unless_landed(out, landed[0] == where, f"the disk filled in {landed[1]} (the {landed[0]}), "
+                                                       f"not in the {where}")
     return case
+
+
+# What the job itself reports when a file does not fit (the evidence of where the disk filled; the
+# directory left behind is not: fsdpkit removes a failed save's files to give the space back):
+# rank 0's commit names the manifest it could not write (checkpoint/save.py), and fsdpkit's stream
+# notes which checkpoint file a failed write, flush or close was writing (checkpoint/hashing.py).
+# tests/unit/test_chaos_report.py holds both to the messages the product's own code path produces.
+_NO_SPACE = re.compile(r"could not write (?P<commit>[^\n]+?) \(\[Errno 28\]"
+                       r"|\[Errno 28\][^\n]*\nfsdpkit: while writing checkpoint file (?P<write>[^\n]+)")
+
+
+def where_the_disk_filled(text: str) -> tuple[str, str] | None:
+    """(where, file) of the first file that `text` (a job's stderr, or an error) reports it could not
+    write for want of space: where is "shard" (a *.distcp file), "metadata" (DCP's .metadata),
+    "manifest" (manifest.json), or the file's name. None: no such report."""
+    found = _NO_SPACE.search(text)
+    if found is None:
+        return None
+    path = found.group("commit") or found.group("write")
+    name = PurePath(path).name
+    where = ("shard" if name.endswith(".distcp") else "metadata" if name in (".metadata", ".metadata.tmp")
+             else "manifest" if name == "manifest.json" else name)
+    return where, path
 
 
 def _tmpfs_bytes(first: Path, where: str) -> int:
@@ -246,14 +296,6 @@ def _tmpfs_bytes(first: Path, where: str) -> int:
     if where == "shard":
         return (one + data // 2) * page
     return (one + data + max(1, pages(manifest) // 2)) * page
-
-
-def _where_it_failed(run: Path) -> str:
-    bad = sorted(uncommitted(run))
-    if not bad:
-        return "nothing (no uncommitted checkpoint)"
-    d = ckpt_root(run) / bad[-1]
-    return "manifest" if (d / ".metadata").exists() else "shard"
 
 
 def _stopped_run(ctx: Context, name: str, rng: random.Random) -> tuple[Path, int, str | None]:
@@ -304,7 +346,7 @@ def fuzz(kind: str) -> Callable[[int, random.Random, Context], Outcome]:
         run, stop, failed = _stopped_run(ctx, f"fuzz_{kind.replace(' ', '_')}_{trial}", rng)
         if failed:
             return _fail(out, failed)
-        what = MUTATIONS[kind](rng, ckpt_root(run) / f"step_{stop}", ckpt_root(run))
+        _, what = MUTATIONS[kind](rng, ckpt_root(run) / f"step_{stop}", ckpt_root(run))
         out.detail = what
         done = _rerun_exact(ctx, run, out, expect_resume=stop if kind == "junk latest" else stop - 2)
         if done.ok and kind != "junk latest" and kind != "manifest deleted":
@@ -347,23 +389,24 @@ def restart(trial: int, rng: random.Random, ctx: Context) -> Outcome:
     extra = ["checkpoint.async=true"] if mode == "async" else []
     job = Job(run, *extra, *TIMEOUTS, extra=("--max-restarts", "2"))
     victims = []
+    since = time.time()  # the directories of this attempt's saves are written in after this
     for _ in range(kills):
         if not job.wait_step(min(MAX_STEPS - 4, max(4, last_step(run) + rng.randint(2, 6))), timeout=300):
             break
         if where == "mid-save":
-            _wait_in_save(job, timeout=30)
+            _wait_in_save(job, since=since, timeout=30)
         victim = rng.randint(0, 1)
         rank = job.rank(victim)
         if rank is None:
             break
-        in_save = bool(uncommitted(run))
         with contextlib.suppress(psutil.Error):
             rank.kill()
         victims.append(victim)
         out.kills += 1
-        out.kills_in_save += in_save
+        out.kills_in_save += bool(uncommitted(run, since=since))  # after the kill: a save that committed is not counted
         n = len(resumes(run))
         job.wait_for(lambda n=n: len(resumes(run)) > n, timeout=300)  # the restarted ranks resumed
+        since = time.time()  # every rank of the killed attempt is gone: what it left is debris from now on
     rc = job.finish(timeout=600)
     out.restarts = job.stderr().count("resolved config (also in") - 1  # rank 0 logs it once per attempt
     out.case = f"elastic restart ({mode}, {where}, {kills} kill(s))"

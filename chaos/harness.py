@@ -135,12 +135,19 @@ def ckpt_root(run: Path) -> Path:
     return run / "checkpoints"
 
 
-def uncommitted(run: Path) -> set[str]:
-    """Step directories without a manifest: saves in progress (or abandoned by a kill)."""
+def uncommitted(run: Path, *, since: float = 0.0) -> set[str]:
+    """Step directories without a manifest: saves in progress (or abandoned by a kill). With `since`
+    (a time.time()), only those written in after it: a kill's debris stays until a later save of
+    that step removes it and makes the directory anew."""
     root = ckpt_root(run)
     if not root.is_dir():
         return set()
-    return {p.name for p in root.glob("step_*") if p.is_dir() and not (p / "manifest.json").exists()}
+    found = set()
+    for p in root.glob("step_*"):
+        with contextlib.suppress(FileNotFoundError):  # a save's clean-up or swap-in may remove it meanwhile
+            if p.is_dir() and not (p / "manifest.json").exists() and p.stat().st_mtime >= since:
+                found.add(p.name)
+    return found
 
 
 def latest_manifest(run: Path) -> dict | None:

@@ -14,13 +14,17 @@ The faults (fault_hooks.py has how each one is applied):
   written (pick N inside the tensor bytes: mid_tensor_bytes);
 - stall_mid_write: each shard write sleeps after its first bytes (a save held in flight, on disk,
   uncommitted);
+- shard_enospc: the disk fills after N bytes of each shard file of step S (ENOSPC from the file's
+  raw layer, under Python's buffer: it surfaces in a write, the flush or the close), so fsdpkit's
+  own stream, error and clean-up run;
 - manifest_enospc: rank 0's commit of step S's manifest fails with ENOSPC in its fsync or its
   rename, so fsdpkit's own clean-up runs;
 - skip_restore: a resume leaves named Stateful pieces (or `rng`) unrestored;
 - raise_at: training step S raises on a rank (or every rank) before its optimizer update;
 - gated (in-process only): the first call of a function (e.g. the async save's write, run by its
   background thread) waits until the test releases it.
-Each one records where it fired in the marker file (`fired`), so a test proves it landed.
+Each one records where and when (`time`, the wall clock) it fired in the marker file (`fired`), so a
+test proves it landed.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from .fault_hooks import SPEC_ENV, Marker, Patches, fired, injected
 
 HERE = Path(__file__).resolve().parent
 __all__ = ["SPEC_ENV", "Gate", "Marker", "env", "fired", "gated", "injected", "kill_mid_write", "manifest_enospc",
-           "mid_tensor_bytes", "raise_at", "skip_restore", "stall_mid_write"]
+           "mid_tensor_bytes", "raise_at", "shard_enospc", "skip_restore", "stall_mid_write"]
 
 
 def kill_mid_write(*, step: int, rank: int, after_bytes: int) -> dict:
@@ -47,6 +51,10 @@ def kill_mid_write(*, step: int, rank: int, after_bytes: int) -> dict:
 
 def stall_mid_write(*, seconds: float, step: int | None = None) -> dict:
     return {"kind": "stall_mid_write", "seconds": seconds, "step": step}
+
+
+def shard_enospc(*, step: int, after_bytes: int = 0) -> dict:
+    return {"kind": "shard_enospc", "step": step, "after_bytes": after_bytes}
 
 
 def manifest_enospc(*, step: int, op: str = "fsync") -> dict:

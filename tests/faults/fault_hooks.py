@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import importlib
 import importlib.abc
+import io
 import json
 import os
 import signal
@@ -44,7 +45,7 @@ class Marker:
         self.path = str(path)
 
     def fire(self, kind: str, **facts: Any) -> None:
-        line = json.dumps({"fault": kind, "pid": os.getpid(), **facts}) + "\n"
+        line = json.dumps({"fault": kind, "pid": os.getpid(), "time": time.time(), **facts}) + "\n"
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line.encode())
@@ -206,6 +207,90 @@ def _stall_mid_write(save: ModuleType, fault: dict, marker: Marker, patches: Pat
     _observe_shard_writes(save, patches, observe)
 
 
+# -- shard writes: the disk fills after N bytes of a checkpoint's shard file --------------------
+class _FillingFile(io.RawIOBase):
+    """A shard file's raw layer on a disk with `room` bytes left for it: the write that would pass
+    them writes what fits, then fails with ENOSPC, as the kernel's write(2) does; later writes
+    fail too. Python's buffer sits above it (_FullDisk), so the error surfaces where a real full
+    disk's does: in a write, a flush or the close."""
+
+    def __init__(self, path: str, *, room: int, on_full: Callable[[int], None]):
+        super().__init__()
+        self._file, self._room, self._on_full = open(path, "wb", buffering=0), room, on_full  # noqa: SIM115
+        self.written, self.full = 0, False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b: Any) -> int:
+        data = memoryview(b).cast("B")
+        if self.written + len(data) > self._room:
+            fits = self._file.write(data[: self._room - self.written]) if self._room > self.written else 0
+            self.written += fits
+            if fits:
+                return fits  # a short write; the caller's next write fails
+            if not self.full:  # recorded once per file
+                self.full = True
+                self._on_full(self.written)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        n = self._file.write(data)
+        self.written += n
+        return n
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:  # DCP asks the stream's position (tell)
+        return self._file.seek(pos, whence)
+
+    def fileno(self) -> int:
+        return self._file.fileno()
+
+    def close(self) -> None:
+        if not self.closed:
+            self._file.close()
+        super().close()
+
+
+class _FullDisk:
+    """Stands in for the DCP file system under fsdpkit's DigestFileSystem (its `base`): the shard
+    files (*.distcp) it creates have `room` bytes each (_FillingFile); everything else is `inner`'s."""
+
+    def __init__(self, inner: Any, *, room: int, on_full: Callable[[str, int], None]):
+        self._inner, self._room, self._on_full = inner, room, on_full
+
+    @contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        name = Path(str(path)).name
+        if "w" not in mode or not name.endswith(".distcp"):
+            with self._inner.create_stream(path, mode) as stream:
+                yield stream
+            return
+        with io.BufferedWriter(_FillingFile(str(path), room=self._room,
+                                            on_full=lambda written: self._on_full(name, written))) as stream:
+            yield stream
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def _shard_enospc(save: ModuleType, fault: dict, marker: Marker, patches: Patches) -> None:
+    """The disk fills after `after_bytes` bytes of each shard file of step `step`: the file system
+    under fsdpkit's own (DigestFileSystem's `base`, a constructor argument) becomes a _FullDisk."""
+    real = save.hashing_writer
+
+    def hashing_writer(into: Any, **kwargs: Any) -> Any:
+        writer, fs = real(into, **kwargs)
+        step = _step_of(into)
+        if step == fault["step"]:
+            def full(name: str, written: int) -> None:
+                marker.fire("shard_enospc", step=step, rank=_rank(), file=name, bytes_written=written)
+            fs.base = _FullDisk(fs.base, room=fault["after_bytes"], on_full=full)
+        return writer, fs
+
+    patches.set(save, "hashing_writer", hashing_writer)
+
+
 # -- the manifest commit: ENOSPC from its fsync or its rename -------------------------------------
 class _FailingOs:
     """Stands in for `os` in fsdpkit.checkpoint.storage (the module that commits a manifest by
@@ -304,6 +389,7 @@ def _raise_at(loop: ModuleType, fault: dict, marker: Marker, patches: Patches) -
 KINDS: dict[str, tuple[str, Callable[[ModuleType, dict, Marker, Patches], None]]] = {
     "kill_mid_write": ("fsdpkit.checkpoint.save", _kill_mid_write),
     "stall_mid_write": ("fsdpkit.checkpoint.save", _stall_mid_write),
+    "shard_enospc": ("fsdpkit.checkpoint.save", _shard_enospc),
     "manifest_enospc": ("fsdpkit.checkpoint.storage", _manifest_enospc),
     "skip_restore": ("fsdpkit.checkpoint.manager", _skip_restore),
     "raise_at": ("fsdpkit.train.loop", _raise_at),

@@ -58,12 +58,22 @@ def native_row_hash() -> bool:
     return _native_rows_sum is not None and not tunables.current().python_row_hash
 
 
+def name_the_file(exc: OSError, path: Any) -> OSError:
+    """`exc` with a note naming the checkpoint file it failed to write (once): a write's OSError
+    (ENOSPC) names no file, and a user must know which disk filled."""
+    note = f"fsdpkit: while writing checkpoint file {path}"
+    if note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
+    return exc
+
+
 class _DigestStream:
     """Passes writes to `raw` (the file DCP's file system opened) and hashes the bytes each write
     took; `size` and `digest()` after.
 
     A write that fails (a full disk) is kept and raised, with the file's name, at `fileno()` (DCP's
-    fsync) or when the file ends; the writes after it are dropped. Raised from inside torch.save,
+    fsync) or when the file ends; the writes after it are dropped. (A failure first seen by the
+    close's flush is named by DigestFileSystem.create_stream.) Raised from inside torch.save,
     the error would come out as torch's "unexpected pos 628 vs 598" instead of itself."""
 
     def __init__(self, raw: Any, path: Any) -> None:
@@ -77,8 +87,7 @@ class _DigestStream:
         try:
             n = self._raw.write(data)
         except OSError as exc:
-            exc.add_note(f"fsdpkit: while writing checkpoint file {self._path}")
-            self.error = exc
+            self.error = name_the_file(exc, self._path)
             return len(data)
         n = len(data) if n is None else n
         self._hash.update(data[:n])
@@ -149,10 +158,14 @@ class DigestFileSystem(FileSystemBase):
             with self.base.create_stream(path, mode) as stream:
                 yield stream
             return
-        with self.base.create_stream(path, mode) as raw:
-            stream = _DigestStream(raw, path)
-            yield stream  # a stream for all DCP does with it (write, tell, fileno, flush)
-            stream.raise_error()  # a failed write fails the file: the base abandons it, no checksum
+        try:
+            with self.base.create_stream(path, mode) as raw:
+                stream = _DigestStream(raw, path)
+                yield stream  # a stream for all DCP does with it (write, tell, fileno, flush, close)
+                stream.raise_error()  # a failed write fails the file: the base abandons it, no checksum
+        except OSError as exc:  # also a full disk found by the flush of the file's close (DCP's, or the base's)
+            name_the_file(exc, path)
+            raise
         name = Path(path).name.removesuffix(".tmp")
         with self._lock:  # only a file written to its end (no exception above) is recorded
             self.files[name] = {"size": stream.size, HASH_NAME: stream.digest()}
