@@ -21,9 +21,12 @@ demo: $(STAMP)
 # would be the files with most tests first). The suite is CPU-bound on 2 cores: three workers took 19:25
 # against two's 18:40 (one run each, 4f62732, before the test ranks of `fsdpkit train --nproc` were forked
 # too; two workers, launching files first: 13:23 in a fresh clone at f337a56).
+# PYTEST_ARGS=--no-zygote starts every launch as a fresh interpreter instead of forking it from the
+# per-worker zygote (tests/zygote.py): the plain way to debug a hang.
 TEST_WORKERS ?= 2
+PYTEST_ARGS ?=
 test: $(STAMP)
-	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest tests -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The documentation site (MkDocs + Material): built with warnings as errors (a broken link, a missing
 # page fails). tests/unit/test_docs.py runs the same build in `make test`.

@@ -30,6 +30,18 @@ if signal.getsignal(signal.SIGQUIT) == signal.SIG_IGN:
     signal.signal(signal.SIGQUIT, signal.SIG_DFL)
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--no-zygote", action="store_true",
+                     help="start every launch (test ranks, CLI commands, their launchers) as a fresh interpreter, "
+                          "as users run them, instead of forking it from the per-worker zygote (tests/zygote.py): "
+                          "slower, and the plain way to debug a hang. `make test PYTEST_ARGS=--no-zygote`")
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("--no-zygote"):
+        zygote.AVAILABLE = False  # every launch then starts fresh; test_zygote.py skips itself
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     """The files that launch ranks or the CLI (marked dist or e2e: most of the suite's time, a few tests
     each) run first, the rest after, each group in collection order. `make test` runs with xdist's

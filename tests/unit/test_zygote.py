@@ -19,7 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import zygote  # noqa: E402
 from conftest import ROOT, LaunchTimedOut, _start, run_python  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not zygote.AVAILABLE, reason="the test zygote forks and reads /proc: Linux only")
+pytestmark = pytest.mark.skipif(not zygote.AVAILABLE, reason="the test zygote forks and reads /proc: Linux only "
+                                "(and --no-zygote turns it off)")
 
 SCRIPT = textwrap.dedent("""
     import os, sys
