@@ -1,28 +1,28 @@
 """Fine-tuning on data shaped like real chat corpora: packing that keeps documents apart, and the
 chunked loss (issue 52). Writes bench/results/finetune_data.json and bench/RESULTS-data.md.
 
-1. Throughput, 2 gloo ranks (`fsdpkit train --nproc 2`, model=hf): trained tokens/s (the metric
-   `tokens_per_s`: trained targets of the global batch per second) of data.packing=false (one
+1. Throughput, 2 gloo ranks (torchrun, model=hf): trained tokens/s of data.packing=false (one
    conversation per sample), true (packed, each kept apart; its attention one document at a time,
-   and again with transformers' block-diagonal mask) and concat (run together), at seq 2048
-   and 4096, on a long-tailed chat corpus the bench generates (lengths drawn from a log-normal of
-   median ~400 and mean ~900 tokens, p99 ~7k, as real conversation datasets). Each mode runs once
-   per round, in alternating order; a launch's figure is its trained tokens over its time, summed
-   over the steps after the first WARMUP (one conversation per sample trains a very different
-   number of tokens from step to step); figures are the median over rounds, with the min-max.
-   The padding share of each mode's samples comes from the data's own start-up report; the
-   ceiling of packing's gain
-   over one conversation per sample is the ratio of their sample counts (the same trained tokens
-   in fewer samples), at the fill reached and at a 95% fill.
+   and again with transformers' block-diagonal mask: the A/B of per-document attention) and concat
+   (run together), at seq 2048 and 4096, on a long-tailed chat corpus the bench generates (token
+   counts drawn from a log-normal of median ~400 and mean ~900, p99 ~7k, as real conversation
+   datasets). The four trainers live in one process group and take turns: rounds of --steps steps
+   of each, the order reversed every other round, so that all meet the machine's load of the same
+   minutes; a round's figure is its trained targets (the trainer's own count) over its wall time;
+   figures are the median over rounds with the min-max. The padding share of each mode's samples
+   comes from the data's own start-up report; the ceiling of packing's gain over one conversation
+   per sample is the ratio of their sample counts (the same trained tokens in fewer samples), at
+   the fill reached and at a 95% fill.
 2. Loss memory, one process per case: the peak RSS added by the output projection, cross-entropy
    and backward of 2,048 tokens (hidden 256) at vocab 32k, 128k and 256k, full logits against the
    chunked loss, and the time of that step (median of 5, min-max).
-3. The trainer at the issue's shape (vocab 131,072, seq 2,048, micro-batch 4, 2 ranks): the largest
-   phase of fsdpkit's own "peak memory per phase" line, chunked; and chunked against full logits
-   at micro-batch --full-micro (the full logits at micro-batch 4 need ~13 GB per rank, more than
-   this machine has for two ranks), trained tokens/s alternating in rounds.
+3. The trainer at the issue's shape (vocab 131,072, seq 2,048, 2 ranks): the largest phase of
+   fsdpkit's own "peak memory per phase" line at micro-batch 4, chunked (its own `fsdpkit train`
+   launch); and the chunked loss against the full logits at micro-batch --full-micro (the full
+   logits at micro-batch 4 need ~13 GB per rank, more than this machine has for two ranks), taking
+   turns as in 1.
 
-Usage: python bench/finetune_data.py [--conversations 3000] [--rounds 5] [--steps 8]
+Usage: python bench/finetune_data.py [--conversations 3000] [--rounds 5] [--steps 4]
                                      [--only throughput|loss|trainer]
 """
 
@@ -135,6 +135,61 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
 
 
+def alternate(variants: dict[str, list[str]], *, common: list[str], work: Path, rounds: int, steps: int) -> dict:
+    """Every variant's trainer built in one 2-rank process group (torchrun), then WARMUP steps each, then
+    `rounds` rounds of `steps` steps of each variant in turn (the order reversed every other round), so that
+    every variant meets the machine's load of the same minutes. Returns each variant's trained tokens/s per
+    round (the trained targets of its steps over their wall time) and its first step's loss."""
+    spec = work / f"alternate-{len(list(work.glob('alternate-*.json')))}.json"
+    out = spec.with_suffix(".out.json")
+    spec.write_text(json.dumps({"variants": variants, "common": common, "work": str(work), "rounds": rounds,
+                                "steps": steps, "out": str(out)}))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", __file__,
+           "--worker", str(spec)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"the alternating trainers failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def worker(spec_path: str) -> None:
+    """torchrun's rank: see `alternate`."""
+    import torch
+    import torch.distributed as tdist
+
+    from fsdpkit import dist
+    from fsdpkit.config import compose_config
+    from fsdpkit.train.run import build_trainer
+
+    spec = json.loads(Path(spec_path).read_text())
+    dist.init_process_group(backend="gloo")
+    trainers = {}
+    for name, extra in spec["variants"].items():
+        cfg = compose_config([*spec["common"], *extra, f"run_dir={spec['work']}/{Path(spec_path).stem}-{name}"])
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        trainers[name], _ = build_trainer(cfg, device=torch.device("cpu"), run_dir=Path(cfg.run_dir))
+
+    def timed(trainer, n: int) -> tuple[float, float]:
+        tdist.barrier()
+        t0 = time.perf_counter()
+        tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in (trainer.train_step() for _ in range(n)))
+        tdist.barrier()
+        return tokens, time.perf_counter() - t0
+
+    first_loss = {name: t.train_step()["loss"] for name, t in trainers.items()}
+    for t in trainers.values():
+        timed(t, WARMUP - 1)
+    per_round: dict[str, list[float]] = {name: [] for name in trainers}
+    for r in range(spec["rounds"]):
+        for name in list(trainers)[:: 1 if r % 2 == 0 else -1]:
+            tokens, seconds = timed(trainers[name], spec["steps"])
+            per_round[name].append(tokens / seconds)
+    if dist.is_main():
+        Path(spec["out"]).write_text(json.dumps({"tokens_per_s": per_round, "first_loss": first_loss}))
+    trainers = None
+    dist.shutdown()
+
+
 def bench_throughput(args: argparse.Namespace, work: Path) -> dict:
     corpus, tok = make_corpus(work, args.conversations)
     data = ["data=hf", f"data.files=[{corpus}]", f"data.tokenizer={tok}", f"data.cache_dir={work / 'cache'}",
@@ -143,19 +198,11 @@ def bench_throughput(args: argparse.Namespace, work: Path) -> dict:
     out: dict = {}
     for seq in (2048, 4096):
         stats = corpus_stats(data, seq)
-        per_mode: dict[str, list[float]] = {m: [] for m in VARIANTS}
-        losses = {}
-        for r in range(args.rounds):
-            for mode in list(VARIANTS)[:: 1 if r % 2 == 0 else -1]:
-                got = launch([*MODEL, *RUN, *data, f"data.seq_len={seq}", *VARIANTS[mode],
-                              "train.micro_batch_size=2", "train.global_batch_size=8", f"train.max_steps={args.steps}"],
-                             work, f"seq{seq}-{mode}-{r}")
-                if "error" in got:
-                    raise RuntimeError(f"seq {seq}, {' '.join(VARIANTS[mode])}: {got['error']}")
-                per_mode[mode].append(got["tokens_per_s"])
-                losses[mode] = got["first_loss"]
-        out[str(seq)] = {"stats": stats, "tokens_per_s": {m: summary(v) for m, v in per_mode.items()},
-                         "first_loss": losses}
+        got = alternate(VARIANTS, common=[*MODEL, *RUN, *data, f"data.seq_len={seq}", "train.micro_batch_size=2",
+                                          "train.global_batch_size=8", "train.max_steps=1000"],
+                        work=work, rounds=args.rounds, steps=args.steps)
+        out[str(seq)] = {"stats": stats, "tokens_per_s": {m: summary(v) for m, v in got["tokens_per_s"].items()},
+                         "first_loss": got["first_loss"]}
     return out
 
 
@@ -209,20 +256,15 @@ def bench_loss(args: argparse.Namespace) -> dict:
 
 def bench_trainer(args: argparse.Namespace, work: Path) -> dict:
     shape = ["model.vocab_size=131072", "model.hidden_size=64", "model.intermediate_size=172", "data.seq_len=2048",
-             "data.num_samples=256", "train.global_batch_size=8", f"train.max_steps={args.steps}", *RUN]
-    out = {"chunked_micro4": launch([*shape, "train.micro_batch_size=4"], work, "trainer-chunked-4")}
-    per: dict[str, list[float]] = {"chunked": [], "full": []}
-    peaks: dict[str, float | None] = {}
-    for r in range(args.rounds):
-        for way in ("chunked", "full")[:: 1 if r % 2 == 0 else -1]:
-            got = launch([*shape, f"train.micro_batch_size={args.full_micro}",
-                          f"train.chunked_loss={'true' if way == 'chunked' else 'false'}"], work, f"trainer-{way}-{r}")
-            if "error" in got:
-                raise RuntimeError(f"trainer, {way}: {got['error']}")
-            per[way].append(got["tokens_per_s"])
-            peaks[way] = got["peak_mib"]
-    out["ab"] = {"micro_batch": args.full_micro, "tokens_per_s": {k: summary(v) for k, v in per.items()},
-                 "peak_mib": peaks}
+             "data.num_samples=256", "train.global_batch_size=8", *RUN]
+    out = {"chunked_micro4": launch([*shape, "train.micro_batch_size=4", f"train.max_steps={WARMUP + 2}"], work,
+                                    "trainer-chunked-4")}
+    got = alternate({"chunked": ["train.chunked_loss=true"], "full": ["train.chunked_loss=false"]},
+                    common=[*shape, f"train.micro_batch_size={args.full_micro}", "train.max_steps=1000"],
+                    work=work, rounds=args.rounds, steps=max(1, args.steps // 4))
+    out["ab"] = {"micro_batch": args.full_micro,
+                 "tokens_per_s": {k: summary(v) for k, v in got["tokens_per_s"].items()},
+                 "first_loss": got["first_loss"]}
     return out
 
 
@@ -230,10 +272,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--conversations", type=int, default=3000)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--steps", type=int, default=8, help="steps per launch; the first 2 are warm-up")
+    p.add_argument("--steps", type=int, default=4, help="steps per round of each variant")
     p.add_argument("--full-micro", type=int, default=1, help="micro-batch of the chunked/full A/B in the trainer")
     p.add_argument("--only", choices=["throughput", "loss", "trainer"])
+    p.add_argument("--worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.worker:
+        return worker(args.worker)
     from finetune_data_report import render
     from results_md import publish
 

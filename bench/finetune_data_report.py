@@ -85,11 +85,10 @@ def _trainer(data: dict) -> list[str]:
              f"  - the line: `{c4.get('peak_line')}`"]
     tps = ab["tokens_per_s"]
     ok = tps["chunked"]["median"] >= tps["full"]["min"]
-    lines += [f"- micro-batch {ab['micro_batch']}, alternating: trained tokens/s chunked {_tps(tps['chunked'])}, "
+    lines += [f"- micro-batch {ab['micro_batch']}, taking turns: trained tokens/s chunked {_tps(tps['chunked'])}, "
               f"full logits {_tps(tps['full'])}; ratio {tps['chunked']['median'] / tps['full']['median']:.3f}x "
-              f"(target: not below the full logits beyond the spread): {_met(ok)}",
-              f"- peak per rank at micro-batch {ab['micro_batch']}: chunked "
-              f"{ab['peak_mib'].get('chunked') or 0:,.0f} MiB, full {ab['peak_mib'].get('full') or 0:,.0f} MiB", ""]
+              f"(target: not below the full logits beyond the spread): {_met(ok)}; first-step loss chunked "
+              f"{ab['first_loss']['chunked']:.6f}, full {ab['first_loss']['full']:.6f}", ""]
     return lines
 
 
@@ -99,11 +98,11 @@ def render(data: dict) -> str:
     lines = ["# Fine-tuning data and the loss (bench/finetune_data.py)", "",
              f"- commit {commit}; machine: {machine()}",
              f"- command: `python bench/finetune_data.py` ({data['args']}); {data['minutes']:.0f} min", "",
-             "Throughput: `fsdpkit train --nproc 2` (gloo), transformers Llama (hidden 128, 2 layers, vocab 4,096), "
-             "fp32, micro-batch 2, global batch 8, chat SFT (assistant tokens trained); a launch's trained tokens/s "
-             "is the trained targets of its steps after the first 2 over their time (from the trainer's own "
-             f"`tokens_per_s` and `step_time_s`); median (min-max) over {data['args']['rounds']} launches per mode, "
-             "the modes alternating.", ""]
+             "Throughput: 2 gloo ranks, transformers Llama (hidden 128, 2 layers, vocab 4,096), fp32, micro-batch 2, "
+             "global batch 8, chat SFT (assistant tokens trained). The trainers of every mode share one process group "
+             f"and take turns: {data['args']['rounds']} rounds of {data['args']['steps']} steps each, the order "
+             "reversed every other round; a round's trained tokens/s is its trained targets (the trainer's own count) "
+             "over its wall time; median (min-max) over the rounds.", ""]
     if "throughput" in data:
         lines += _throughput(data["throughput"])
     if "loss" in data:
