@@ -287,3 +287,36 @@ def test_file_checksum_over_several_read_chunks(tmp_path):
     assert file_checksum(path) == (len(data), xxhash.xxh3_64_hexdigest(data))
     (tmp_path / "empty").write_bytes(b"")
     assert file_checksum(tmp_path / "empty") == (0, xxhash.xxh3_64_hexdigest(b""))
+
+
+def test_every_checkpoint_file_is_in_the_kernel_when_dcp_fsyncs_it(tmp_path, monkeypatch):
+    """DCP fsyncs a data file's descriptor before it closes the file: bytes still in Python's write
+    buffer then would miss the fsync (a power cut after the commit could cut every file's tail).
+    Each fsync of a checkpoint file must see the file at its final size. (torch 2.13 flushes after
+    each item it writes, so this holds without fsdpkit's flush in _DigestStream.fileno too; the flush
+    keeps it so whatever torch's writer does.)"""
+    import os
+
+    from torch import nn
+
+    from fsdpkit.checkpoint.save import save_checkpoint
+    from fsdpkit.checkpoint.state import CheckpointTarget
+
+    seen: dict[str, int] = {}
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.isfile(path):
+            seen[os.path.basename(path).removesuffix(".tmp")] = os.fstat(fd).st_size
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)  # every file fits Python's 8 KiB buffer: all of it would miss the fsync
+    target = CheckpointTarget(model=model, optimizer=torch.optim.AdamW(model.parameters()), stateful={})
+    step = tmp_path / "step_1"
+    save_checkpoint(target, ckpt_dir=step, step=1, meta={"run_id": "a", "fingerprint": {"tensors": {}},
+                                                         "metrics": {}}, group=None)
+    data = {p.name: p.stat().st_size for p in step.glob("*.distcp")}
+    assert data and all(seen.get(name) == size for name, size in data.items()), (seen, data)
