@@ -133,4 +133,5 @@ def test_model_imports_no_other_layer():
     """STYLE.md's layout: model/ holds plain nn.Modules, never checkpoints, sharding or files."""
     graph = subpackage_imports()
     extra = {node: files for node, files in graph["model"].items() if node not in MODEL_MAY_IMPORT}
-    assert not extra, "model/ imports " + "; ".join(f"{n} (by {', '.join(sorted(f))})" for n, f in sorted(extra.items()))
+    assert not extra, "model/ imports " + "; ".join(f"{n} (by {', '.join(sorted(f))})"
+                                                    for n, f in sorted(extra.items()))
