@@ -94,8 +94,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from fsdpkit import dist
 from fsdpkit.config import compose_config
 from fsdpkit.data import GlobalSampler, build_datasets, rank_micro_batches
+from fsdpkit.hf import build_model
 from fsdpkit.log import LOGGER_NAME, setup_logging
-from fsdpkit.model import build_model
 from fsdpkit.model import vocab_size as model_vocab_size
 from fsdpkit.parallel.fsdp import materialize
 from fsdpkit.train.run import build_trainer

@@ -46,8 +46,8 @@ import fsdpkit
 from fsdpkit import dist
 from fsdpkit.config import compose_config
 from fsdpkit.data import GlobalSampler, build_datasets, rank_micro_batches
+from fsdpkit.hf import build_model, init_buffers
 from fsdpkit.log import LOGGER_NAME, setup_logging
-from fsdpkit.model import build_model, reset_nonpersistent_buffers
 from fsdpkit.model.llama import LlamaDecoderLayer
 from fsdpkit.parallel import init_weights
 from fsdpkit.train.determinism import enable_determinism, seed_everything
@@ -82,7 +82,7 @@ class Baseline:
                 module.set_force_sum_reduction_for_comms(True)
         model.to_empty(device=device)
         init_weights(model, seed=cfg.seed, std=cfg.model.initializer_range)
-        reset_nonpersistent_buffers(model)
+        init_buffers(model)
         o = cfg.optim
         params = list(model.parameters())
         groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": o.weight_decay},

@@ -8,7 +8,8 @@ import torch
 
 from fsdpkit.config import Config
 from fsdpkit.data import GlobalSampler, build_datasets
-from fsdpkit.model import build_model, init_std
+from fsdpkit.hf import build_model
+from fsdpkit.model import init_std
 from fsdpkit.parallel import init_weights
 from fsdpkit.train.optim import build_optimizer, build_scheduler
 

@@ -18,7 +18,7 @@ from conftest import EXAMPLE_DATA, fsdpkit  # noqa: E402
 from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.export.keys import model_weights  # noqa: E402
 from fsdpkit.export.sources import open_checkpoint  # noqa: E402
-from fsdpkit.model import build_model  # noqa: E402
+from fsdpkit.hf import build_model  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::UserWarning")]
 STEPS = ["--steps", "5", "--save-at", "3"]

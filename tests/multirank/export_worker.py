@@ -22,7 +22,7 @@ import torch.distributed as tdist
 from fsdpkit import dist
 from fsdpkit.checkpoint.manager import CheckpointGroups
 from fsdpkit.config import compose_config
-from fsdpkit.export.hf_import import load_hf_weights
+from fsdpkit.hf import load_hf_weights
 from fsdpkit.model import logits
 from fsdpkit.parallel import build_sharded_model
 from fsdpkit.train.determinism import enable_determinism

@@ -23,7 +23,8 @@ from conftest import ROOT, torchrun  # noqa: E402
 from fsdpkit.checkpoint.safe_io import SafeFileSystemReader, SafeLoadPlanner  # noqa: E402
 from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.export.exporter import export_checkpoint  # noqa: E402
-from fsdpkit.model import build_model, logits  # noqa: E402
+from fsdpkit.hf import build_model  # noqa: E402
+from fsdpkit.model import logits  # noqa: E402
 
 pytestmark = [pytest.mark.dist, pytest.mark.filterwarnings("ignore::UserWarning")]
 transformers = pytest.importorskip("transformers")

@@ -232,7 +232,7 @@ def describe_strategies_at_world_size_4() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from fsdpkit.config import compose_config
-    from fsdpkit.model import build_model
+    from fsdpkit.hf import build_model
     from fsdpkit.parallel import apply_fsdp
     from fsdpkit.parallel.fsdp import build_mesh
 

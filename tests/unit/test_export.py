@@ -8,6 +8,7 @@ import io
 import json
 import os
 import pickle
+import re
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,13 +39,14 @@ from fsdpkit.cli.main import main
 from fsdpkit.config import compose_config
 from fsdpkit.export.diffing import diff_checkpoints
 from fsdpkit.export.exporter import export_checkpoint
-from fsdpkit.export.hf_import import SafetensorsRows, load_hf_weights
 from fsdpkit.export.inspection import describe_chunks, inspect_checkpoint
-from fsdpkit.export.keys import clean_name, model_weights
-from fsdpkit.export.safetensors_io import StreamingSafetensorsWriter, plan_shards, read_header
+from fsdpkit.export.keys import model_weights
+from fsdpkit.export.safetensors_writer import StreamingSafetensorsWriter, plan_shards
 from fsdpkit.export.sources import DcpLoadSource, DcpSource, open_checkpoint
 from fsdpkit.export.verification import verify_checkpoint
-from fsdpkit.model import build_model
+from fsdpkit.hf import build_model, load_hf_weights
+from fsdpkit.hf.safetensors_reader import SafetensorsReader, read_header
+from fsdpkit.model.names import clean_name
 from fsdpkit.tunables import parse_size
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -453,29 +455,55 @@ def test_load_hf_weights_names_every_missing_unexpected_and_reshaped_key(tmp_pat
         load_hf_weights(dst, tmp_path)
 
 
-def test_safetensors_rows_read_exactly_what_safe_open_reads_without_mapping_the_file(tmp_path):
-    """The loader's reader against the safetensors library's own: every piece equal, bit for bit;
-    while it reads, the file is not mapped into the process (its pages would count in the RSS)."""
+def test_the_safetensors_reader_reads_exactly_what_safe_open_reads_without_mapping_the_file(tmp_path):
+    """The one reader of import and export against the safetensors library's own: every piece and
+    row range equal, bit for bit, into the caller's buffer too; while it reads, the file is not
+    mapped into the process (its pages would count in the RSS)."""
     g = torch.Generator().manual_seed(0)
     tensors = {"w": torch.randn(7, 5, generator=g).to(torch.bfloat16), "b": torch.randn(9, generator=g),
                "steps": torch.tensor(3, dtype=torch.int64), "e": torch.randn(0, 4, generator=g),
-               "cube": torch.randn(4, 3, 2, generator=g).half()}
+               "cube": torch.randn(4, 3, 2, generator=g).half(), "mask": torch.tensor([True, False, True])}
     path = tmp_path / "model.safetensors"
     save_file(tensors, path)
     pieces = {"w": [(slice(2, 5), slice(0, 5)), (slice(0, 7), slice(1, 4)), (slice(6, 7), slice(0, 5))],
               "b": [(slice(0, 9),), (slice(4, 9),)], "cube": [(slice(1, 3), slice(0, 3), slice(1, 2))],
               "e": [(slice(0, 0), slice(0, 4))]}
-    with SafetensorsRows(path) as rows:
-        got = [(name, None, rows.get_tensor(name)) for name in tensors]
-        got += [(name, piece, rows.get_slice(name)[piece]) for name, ps in pieces.items() for piece in ps]
+    with SafetensorsReader([path]) as reader:
+        got = [(name, None, reader.read(name)) for name in tensors]
+        got += [(name, piece, reader.read(name, piece)) for name, ps in pieces.items() for piece in ps]
+        out = torch.full((3, 5), -1.0, dtype=torch.bfloat16)
+        assert reader.read_rows("w", 2, 5, out=out) is out  # straight into the caller's buffer
+        got.append(("w", (slice(2, 5),), out))
+        strided = torch.zeros(5, 3, dtype=torch.bfloat16).t()  # not contiguous: read, then copied in
+        assert reader.read_rows("w", 4, 7, out=strided) is strided
+        got.append(("w", (slice(4, 7),), strided))
+        assert reader.read_rows("steps", 0, 1).shape == ()  # a 0-dim tensor is one row, and stays 0-dim
         maps = Path("/proc/self/maps")
         assert not maps.exists() or str(path) not in maps.read_text()
+        assert reader.tensors()["cube"] == (torch.float16, [4, 3, 2]) and reader.file_of("cube") == path
     with safe_open(str(path), framework="pt") as ref:
         for name, piece, value in got:
             want = ref.get_tensor(name) if piece is None else ref.get_slice(name)[piece]
             assert value.dtype == want.dtype == tensors[name].dtype and torch.equal(value, want), (name, piece)
-    assert rows._fd is None  # closed by the context manager
+    assert reader._fds == {}  # closed by the context manager
     data = path.read_bytes()
     path.write_bytes(data[:-8])  # one tensor's last bytes gone
     with pytest.raises(CheckpointCorruptError, match="truncated or padded"):
-        SafetensorsRows(path)
+        SafetensorsReader([path])
+
+
+def test_a_tensor_in_two_files_is_refused_by_import_and_export_alike_naming_both(tmp_path):
+    """One rule for a duplicated name, wherever a folder is read: which copy a reader took would
+    depend on the order it read the files (the loader used to keep the last, the export refused)."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    save_file({"model.norm.weight": torch.ones(4), "lm_head.weight": torch.zeros(2, 4)}, folder / "a.safetensors")
+    save_file({"model.norm.weight": torch.zeros(4)}, folder / "b.safetensors")
+    both = (f"model.norm.weight is in both {folder / 'a.safetensors'} and {folder / 'b.safetensors'}; a model "
+            "folder holds each tensor once")
+    with pytest.raises(CheckpointCorruptError, match=re.escape(both)):
+        load_hf_weights(torch.nn.Module(), folder)
+    with pytest.raises(CheckpointCorruptError, match=re.escape(both)):
+        open_checkpoint(folder)
+    with pytest.raises(CheckpointCorruptError, match=re.escape(both)):
+        export_checkpoint(folder, tmp_path / "out")

@@ -156,7 +156,7 @@ def test_overlong_conversations_are_truncated_or_dropped_and_counted(tmp_path, h
 
 
 def test_masked_sft_loss_equals_a_hand_computed_reference(tmp_path, hf_tokenizer_dir, tok):
-    from fsdpkit.model import build_model
+    from fsdpkit.hf import build_model
 
     convs = [{"messages": [{"role": "user", "content": "What is one plus one?"},
                            {"role": "assistant", "content": "One plus one is two."}]},
@@ -237,8 +237,7 @@ def test_errors_name_the_setting(tmp_path, hf_tokenizer_dir, tok):
 def test_resize_to_tokenizer_grows_the_vocabulary_and_loads_the_folders_rows(tmp_path, hf_tokenizer_dir, tok):
     import transformers
 
-    from fsdpkit.export.hf_import import load_hf_weights
-    from fsdpkit.model import build_model
+    from fsdpkit.hf import build_model, load_hf_weights
     from fsdpkit.train.run import resize_vocab_to_tokenizer
 
     small = ["experiment=hf_llama", "model.vocab_size=300", "model.hf_config.vocab_size=300", "data=hf",
@@ -268,7 +267,7 @@ def test_the_same_documents_packed_or_one_per_sample_give_the_same_loss_and_grad
     """Every document of a split, packed (several per sample, kept apart) or padded (one per sample):
     the objective the trainer forms (summed CE over the batch's trained tokens) and its gradient norm
     agree within 1e-6, for fsdpkit's Llama (document mask) and a transformers model (position_ids)."""
-    from fsdpkit.model import build_model
+    from fsdpkit.hf import build_model
     from fsdpkit.train.loss import micro_batch_terms
 
     convs = _rows("chat.jsonl", 24)

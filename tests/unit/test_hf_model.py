@@ -12,8 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fsdpkit.config import compose_config  # noqa: E402
-from fsdpkit.model import build_model  # noqa: E402
-from fsdpkit.model.hf import hf_config  # noqa: E402
+from fsdpkit.hf.build import build_model  # noqa: E402
+from fsdpkit.hf.folder_config import resolve_hf_config  # noqa: E402
 from fsdpkit.parallel.init import init_weights  # noqa: E402
 from fsdpkit.parallel.policies import matching_modules  # noqa: E402
 from hf_folders import make_folder, reference_model  # noqa: E402
@@ -31,41 +31,41 @@ def _cfg(folder: Path, *extra: str):
 
 
 def test_config_is_the_folders_and_overrides_are_applied_and_listed(gemma3):
-    config, changed = hf_config(_cfg(gemma3))
+    config, changed = resolve_hf_config(_cfg(gemma3))
     on_disk = json.loads((gemma3 / "config.json").read_text())
     assert changed == [] and {k: config.to_dict()[k] for k in on_disk} == on_disk and on_disk["dtype"] == "bfloat16"
-    config, changed = hf_config(_cfg(gemma3, "+model.hf_config.rms_norm_eps=1e-3",
+    config, changed = resolve_hf_config(_cfg(gemma3, "+model.hf_config.rms_norm_eps=1e-3",
                                      "+model.hf_config.sliding_window=16"))
     assert config.rms_norm_eps == 1e-3 and config.sliding_window == 16
     assert changed == ["rms_norm_eps: 1e-06 -> 0.001", "sliding_window: 32 -> 16"]
     with pytest.raises(ValueError, match=r"model.hf_config.rope_thetaa: Gemma3TextConfig has no field 'rope_thetaa'"):
-        hf_config(_cfg(gemma3, "+model.hf_config.rope_thetaa=1"))
+        resolve_hf_config(_cfg(gemma3, "+model.hf_config.rope_thetaa=1"))
 
 
 def test_a_recorded_config_resolves_to_itself(gemma3):
     cfg = _cfg(gemma3, "+model.hf_config.rms_norm_eps=1e-3")
-    full = hf_config(cfg)[0].to_dict()
+    full = resolve_hf_config(cfg)[0].to_dict()
     cfg.hf_config = full
-    again, changed = hf_config(cfg)
+    again, changed = resolve_hf_config(cfg)
     assert again.to_dict() == full and changed == ["rms_norm_eps: 1e-06 -> 0.001"]
 
 
 def test_bad_folders_get_one_clear_paragraph(tmp_path, gemma3):
     with pytest.raises(FileNotFoundError, match="has no config.json; point it at a Hugging Face model folder"):
-        hf_config(_cfg(tmp_path))
+        resolve_hf_config(_cfg(tmp_path))
     with pytest.raises(FileNotFoundError, match="is not a directory"):
-        hf_config(_cfg(tmp_path / "nope"))
+        resolve_hf_config(_cfg(tmp_path / "nope"))
     raw = json.loads((gemma3 / "config.json").read_text())
     quant = tmp_path / "quant"
     quant.mkdir()
     (quant / "config.json").write_text(json.dumps(raw | {"quantization_config": {"quant_method": "fp8"}}))
     with pytest.raises(ValueError, match=r"holds quantized weights .*quant_method='fp8'.*unquantized \(bf16\) release"):
-        hf_config(_cfg(quant))
+        resolve_hf_config(_cfg(quant))
     vit = tmp_path / "vit"
     vit.mkdir()
     (vit / "config.json").write_text(json.dumps({"model_type": "vit", "architectures": ["ViTModel"]}))
     with pytest.raises(ValueError, match=r"ViTModel \(ViTConfig\) is not a causal language model"):
-        hf_config(_cfg(vit))
+        resolve_hf_config(_cfg(vit))
     with pytest.raises(ValueError, match="model.path=.* is a Hugging Face folder, but model.kind=llama; select"):
         compose_config([f"model.path={gemma3}"])
 
@@ -77,17 +77,17 @@ def test_a_transformers_older_than_the_tested_one_is_named(gemma3, monkeypatch):
 
     from fsdpkit.export.hub_layout import meta_model_from_config
 
-    config, _ = hf_config(_cfg(gemma3))
+    config, _ = resolve_hf_config(_cfg(gemma3))
     for old in ("5.16.2", "4.57.0"):
         monkeypatch.setattr(transformers, "__version__", old)
         message = rf"this environment has transformers {old}: pip install -U 'transformers>=5.17'"
         with pytest.raises(ImportError, match=message):
-            hf_config(_cfg(gemma3))
+            resolve_hf_config(_cfg(gemma3))
         with pytest.raises(ImportError, match=message):
             meta_model_from_config(config)
     for new in ("5.17.0", "5.17.0rc1", "5.30.0.dev0", "6.0.0"):
         monkeypatch.setattr(transformers, "__version__", new)
-        assert hf_config(_cfg(gemma3))[0].model_type == "gemma3_text"
+        assert resolve_hf_config(_cfg(gemma3))[0].model_type == "gemma3_text"
 
 
 def test_data_tokenizer_defaults_to_the_model_folder(gemma3):
@@ -137,7 +137,7 @@ def test_a_one_dimensional_parameter_without_a_rule_is_named():
 
 
 def test_loading_a_folder_of_another_vocabulary_or_tying_is_refused_before_loading(gemma3, tmp_path):
-    from fsdpkit.model.embeddings import check_vocab_and_tie
+    from fsdpkit.hf.vocab_and_tie import check_vocab_and_tie
 
     with torch.device("meta"):
         model = build_model(_cfg(gemma3))
@@ -155,8 +155,8 @@ def test_a_config_with_infinite_fields_round_trips(tmp_path):
     import transformers
 
     from fsdpkit.export.hf_config import transformers_config
-    from fsdpkit.export.model_config import read_json_object
-    from fsdpkit.model.embeddings import folder_vocab_and_tie
+    from fsdpkit.hf.config_json import read_json_object
+    from fsdpkit.hf.vocab_and_tie import folder_vocab_and_tie
 
     transformers.FalconH1Config(vocab_size=96, tie_word_embeddings=False).save_pretrained(tmp_path)
     on_disk = json.loads((tmp_path / "config.json").read_text())
@@ -164,6 +164,6 @@ def test_a_config_with_infinite_fields_round_trips(tmp_path):
     raw = read_json_object(tmp_path / "config.json", where="test")
     assert raw["time_step_limit"] == [0.0, float("inf")]
     assert folder_vocab_and_tie(on_disk) == {"vocab_size": 96, "tied_embeddings": False}
-    config, _ = hf_config(_cfg(tmp_path))
+    config, _ = resolve_hf_config(_cfg(tmp_path))
     assert list(transformers_config({"hf_config": on_disk}).time_step_limit) == [0.0, float("inf")]
     assert list(config.time_step_limit) == [0.0, float("inf")]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fsdpkit.config import compose_config
-from fsdpkit.model import build_model
+from fsdpkit.hf import build_model
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "fsdpkit"
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from fsdpkit.config import compose_config
-from fsdpkit.model import build_model, init_std
+from fsdpkit.hf import build_model
+from fsdpkit.model import init_std
 from fsdpkit.parallel import apply_fsdp, init_weights, materialize
 from fsdpkit.parallel.fsdp import build_mesh
 from fsdpkit.parallel.policies import matching_modules

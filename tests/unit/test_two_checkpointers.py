@@ -180,8 +180,7 @@ def test_a_hugging_face_folder_in_a_bucket_is_read_with_the_options_given(bucket
     from safetensors.torch import save_file
 
     from fsdpkit.config import compose_config
-    from fsdpkit.export.hf_import import load_hf_weights
-    from fsdpkit.model import build_model
+    from fsdpkit.hf import build_model, load_hf_weights
 
     tiny = compose_config(["model.hidden_size=16", "model.intermediate_size=24", "model.vocab_size=32"]).model
     torch.manual_seed(0)

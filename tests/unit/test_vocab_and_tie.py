@@ -22,7 +22,8 @@ from fsdpkit.checkpoint.manifest import (
 from fsdpkit.checkpoint.resume import load_checkpoint
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
-from fsdpkit.model.embeddings import check_vocab_and_tie, vocab_and_tie
+from fsdpkit.hf.vocab_and_tie import check_vocab_and_tie
+from fsdpkit.model.embeddings import vocab_and_tie
 from fsdpkit.model.llama import LlamaArgs, LlamaForCausalLM
 
 transformers = pytest.importorskip("transformers")

@@ -36,8 +36,9 @@ from fsdpkit.export.exporter import (
 from fsdpkit.export.hf_folder import write_folder_files
 from fsdpkit.export.keys import model_weights
 from fsdpkit.export.naming import drop_tied
-from fsdpkit.export.safetensors_io import SINGLE_FILE, StreamingSafetensorsWriter
+from fsdpkit.export.safetensors_writer import StreamingSafetensorsWriter
 from fsdpkit.export.sources import OpenedCheckpoint, open_checkpoint
+from fsdpkit.hf.safetensors_reader import SINGLE_FILE
 from fsdpkit.model.peft import ADAPTER, is_lora_name, lora_config, peft_base_name
 
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
@@ -196,7 +197,7 @@ def export_merged(ckpt: str | os.PathLike, out: str | os.PathLike, *, dtype: str
         out_dtypes = {n: _out_dtype(infos[k].dtype, target) for n, k in base.items()}
         tensors = [(n, infos[k].shape, out_dtypes[n], lambda n=n, k=k: merged(n, k)) for n, k in base.items()]
         _write(tmp, SINGLE_FILE, tensors)
-        found = write_folder_files(tmp, opened, target=target, out_dtypes=out_dtypes, model_config=None, out=out,
+        found = write_folder_files(tmp, opened, target=target, out_dtypes=out_dtypes, expected_model=None, out=out,
                                    write_config=write_config)
         return {"files": sorted(p.name for p in tmp.iterdir()), "num_tensors": len(tensors), "merged": len(adapters),
                 "scale": scale, "dropped": dropped, "config": found.config if write_config else "",

@@ -23,7 +23,7 @@ from pathlib import Path
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.layout import CHECKPOINTS, LATEST
 from fsdpkit.export.hf_folder import CHAT_TEMPLATES_DIR, TOKENIZER_FILES
-from fsdpkit.export.safetensors_io import INDEX_FILE, SINGLE_FILE, read_header
+from fsdpkit.hf.safetensors_reader import INDEX_FILE, SINGLE_FILE, read_header
 
 EXPORTED_BY = "exported_by"  # the safetensors metadata key every exported file carries
 EXPORT_FILES = re.compile(r"^(model\.safetensors|model-\d{5}-of-\d{5}\.safetensors|model\.safetensors\.index\.json"

@@ -42,6 +42,7 @@ from fsdpkit.export.destination import (
     exported_by_value,
     protected_paths,
 )
+from fsdpkit.export.expected_model import ExpectedModel, load_expected_model
 from fsdpkit.export.hf_config import transformers_config
 from fsdpkit.export.hf_folder import write_folder_files, write_json
 from fsdpkit.export.hub_layout import (
@@ -51,17 +52,11 @@ from fsdpkit.export.hub_layout import (
     plan_hub_layout,
 )
 from fsdpkit.export.keys import is_non_model_namespace
-from fsdpkit.export.model_config import ModelConfig, load_model_config
 from fsdpkit.export.naming import plan_names
-from fsdpkit.export.safetensors_io import (
-    INDEX_FILE,
-    SINGLE_FILE,
-    StreamingSafetensorsWriter,
-    plan_shards,
-    shard_file_name,
-)
+from fsdpkit.export.safetensors_writer import StreamingSafetensorsWriter, plan_shards, shard_file_name
 from fsdpkit.export.sources import OpenedCheckpoint, TensorInfo, iter_row_blocks, open_checkpoint
 from fsdpkit.export.verification import extent_problems
+from fsdpkit.hf.safetensors_reader import INDEX_FILE, SINGLE_FILE
 from fsdpkit.tunables import parse_size
 
 FORMATS = ("hf", "single")
@@ -152,7 +147,7 @@ def export_checkpoint(
     part = _check_namespace(namespace, fmt=fmt, out=out)
     if config is not None and fmt != "hf":
         raise ValueError("--config writes config.json into a Hugging Face folder: use it with --format hf")
-    model_config = load_model_config(config) if config is not None else None
+    expected_model = load_expected_model(config) if config is not None else None
     t0 = time.perf_counter()
     with open_checkpoint(ckpt, reader=reader, part=part) as opened:
         _check_destination(out, fmt=fmt, overwrite=overwrite,
@@ -160,9 +155,9 @@ def export_checkpoint(
         _check_integrity(opened, verify=verify)
         tensors = opened.source.tensors()
         plan = plan_names(opened, namespace=namespace, strip_prefixes=tuple(strip_prefixes), add_prefix=add_prefix,
-                          model_config=model_config)
+                          expected_model=expected_model)
         names, dropped = plan.names, plan.dropped
-        layout = plan_hub_layout(_layout_model(opened, model_config) if hub_layout else None,
+        layout = plan_hub_layout(_layout_model(opened, expected_model) if hub_layout else None,
                                  {name: tensors[key] for name, key in names.items()})
         items = _output_items(names, tensors, layout)
         out_dtypes = {name: _out_dtype(item.info.dtype, target) for name, item in items.items()}
@@ -181,7 +176,7 @@ def export_checkpoint(
                     write_json(tmp / INDEX_FILE,
                                {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
                 folder_files = write_folder_files(tmp, opened, target=target, out_dtypes=out_dtypes,
-                                                  model_config=model_config, out=out, write_config=write_config)
+                                                  expected_model=expected_model, out=out, write_config=write_config)
                 fsync_path(tmp)
             _publish(tmp, out, overwrite=overwrite)
         except BaseException:
@@ -206,7 +201,8 @@ def export_checkpoint(
             "source_dtypes": dict(Counter(dtype_name(tensors[k].dtype) for k in names.values())),
             "dtype_note": _dtype_note(opened, target, {tensors[k].dtype for k in names.values()}),
             "dropped": dropped,
-            "notes": [*opened.notes, *plan.notes, *([model_config.note] if model_config and model_config.note else []),
+            "notes": [*opened.notes, *plan.notes,
+                      *([expected_model.note] if expected_model and expected_model.note else []),
                       *([layout.note] if layout.note else [])],
             "config": folder_files.config if folder_files else "",
             "added": folder_files.added if folder_files else [],
@@ -329,11 +325,11 @@ class _OutputItem:
     group: int | None = None  # or produced by converting layout.groups[group] (read whole)
 
 
-def _layout_model(opened: OpenedCheckpoint, model_config: ModelConfig | None) -> Any:
+def _layout_model(opened: OpenedCheckpoint, expected_model: ExpectedModel | None) -> Any:
     """The transformers model (meta device) whose save layout the export writes, or None: the one
     --config describes, else the one a `model.kind=hf` run trained (from `model.hf_config`)."""
-    if model_config is not None:
-        return model_config.model
+    if expected_model is not None:
+        return expected_model.model
     model_cfg = ((opened.manifest or {}).get("config") or {}).get("model") or {}
     if model_cfg.get("kind") != "hf":
         return None  # fsdpkit's reference Llama: its names are LlamaForCausalLM's files' already

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from fsdpkit.checkpoint.manifest import dtype_name
-from fsdpkit.export.model_config import decode_special_floats
+from fsdpkit.hf.config_json import decode_special_floats
 
 # LlamaConfig fields our reference Llama fixes (see fsdpkit.model.llama): SwiGLU with SiLU, no
 # biases, no rope scaling. `rope_theta` at the top level is read by transformers 4.x and 5.x.

@@ -30,9 +30,10 @@ from typing import Any
 import torch
 
 from fsdpkit.checkpoint.storage import fsync_path
+from fsdpkit.export.expected_model import CONFIG_HINT, ExpectedModel, config_files
 from fsdpkit.export.hf_config import hf_configs
-from fsdpkit.export.model_config import CONFIG_HINT, GENERATION_FILE, ModelConfig, config_files
 from fsdpkit.export.sources import OpenedCheckpoint
+from fsdpkit.hf.config_json import GENERATION_FILE
 
 TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json")  # a folder holding one of these holds a tokenizer
 # what a tokenizer's save_pretrained may write (fast and slow tokenizers); destination.py accepts them in an export
@@ -52,14 +53,14 @@ class FolderFiles:
 
 
 def write_folder_files(folder: Path, opened: OpenedCheckpoint, *, target: torch.dtype | None,
-                       out_dtypes: dict[str, torch.dtype], model_config: ModelConfig | None, out: Path,
+                       out_dtypes: dict[str, torch.dtype], expected_model: ExpectedModel | None, out: Path,
                        write_config: bool = True) -> FolderFiles:
     """Write config.json, generation_config.json and the run's tokenizer into `folder` (the
     export's temporary folder, published afterwards), each fsynced.
 
     Args:
         target: the export's --dtype (None: as stored); `out_dtypes` decide the dtype otherwise.
-        model_config: what --config gave (its config.json and generation_config.json win).
+        expected_model: what --config gave (its config.json and generation_config.json win).
         out: the final output, named in the hints.
         write_config: False: write nothing but the tokenizer (--no-config).
     """
@@ -67,9 +68,9 @@ def write_folder_files(folder: Path, opened: OpenedCheckpoint, *, target: torch.
     run = (opened.manifest or {}).get("config") or {}
     model_cfg = run.get("model") or {}
     if write_config:
-        found.config = _write_configs(folder, opened, target=target, out_dtypes=out_dtypes, model_config=model_config,
-                                      out=out)
-        if model_config is None and model_cfg.get("kind") == "hf":
+        found.config = _write_configs(folder, opened, target=target, out_dtypes=out_dtypes,
+                                      expected_model=expected_model, out=out)
+        if expected_model is None and model_cfg.get("kind") == "hf":
             _copy_generation_config(folder, model_cfg.get("path") or "", out=out, found=found)
     else:
         found.config = "config.json not written (write_config=False)"
@@ -78,12 +79,12 @@ def write_folder_files(folder: Path, opened: OpenedCheckpoint, *, target: torch.
 
 
 def _write_configs(folder: Path, opened: OpenedCheckpoint, *, target: torch.dtype | None,
-                   out_dtypes: dict[str, torch.dtype], model_config: ModelConfig | None, out: Path) -> str:
+                   out_dtypes: dict[str, torch.dtype], expected_model: ExpectedModel | None, out: Path) -> str:
     floating = [d for d in out_dtypes.values() if d.is_floating_point]
     dtype = target or (Counter(floating).most_common(1)[0][0] if floating else torch.float32)
-    if model_config is not None:
-        config, generation = config_files(model_config, dtype=dtype)
-        note = f"config.json{' and generation_config.json' if generation else ''} written from {model_config.path}"
+    if expected_model is not None:
+        config, generation = config_files(expected_model, dtype=dtype)
+        note = f"config.json{' and generation_config.json' if generation else ''} written from {expected_model.path}"
     else:
         model_cfg = ((opened.manifest or {}).get("config") or {}).get("model")
         if not model_cfg:

@@ -58,7 +58,7 @@ class HubLayout:
 
 def meta_model_from_config(config: Any) -> Any:
     """The causal LM transformers builds from `config` (a PretrainedConfig), on the meta device."""
-    from fsdpkit.model.hf import require_transformers
+    from fsdpkit.hf.library import require_transformers
 
     transformers = require_transformers()
     with torch.device("meta"):

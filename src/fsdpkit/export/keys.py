@@ -13,11 +13,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-# Module-wrapper components that torch inserts into FQNs (compile, FSDP1, activation
-# checkpointing); removed wherever they appear.
-WRAPPER_COMPONENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
-# DDP/DataParallel put `module.` in front of every name; removed at the start only.
-LEADING_WRAPPERS = ("module",)
+from fsdpkit.model.names import clean_name
+
 # Top-level state-dict entries that are never model weights.
 NON_MODEL_NAMESPACES = frozenset({
     "optim", "optimizer", "optimizers", "optimizer_states", "rng", "lr_scheduler", "lr_schedulers", "scheduler",
@@ -32,18 +29,6 @@ _NUMBERED_OPTIMIZER = re.compile(r"optim(izer)?_\d+")  # Lightning's Trainer: op
 def is_non_model_namespace(top: str) -> bool:
     """Whether a top-level state-dict entry holds something other than model weights."""
     return top in NON_MODEL_NAMESPACES or bool(_NUMBERED_OPTIMIZER.fullmatch(top))
-
-
-def clean_name(name: str, *, strip_prefixes: tuple[str, ...] = (), add_prefix: str = "") -> str:
-    """Drop wrapper components, then each user prefix that the name starts with, then add one."""
-    parts = [p for p in name.split(".") if p not in WRAPPER_COMPONENTS]
-    while len(parts) > 1 and parts[0] in LEADING_WRAPPERS:
-        parts = parts[1:]
-    name = ".".join(parts)
-    for prefix in strip_prefixes:
-        if prefix and name.startswith(prefix):
-            name = name[len(prefix):]
-    return add_prefix + name
 
 
 def split_namespace(key: str, key_paths: dict[str, tuple[Any, ...]] | None) -> tuple[str, str]:

@@ -11,16 +11,11 @@ from typing import Any
 import torch
 
 from fsdpkit.checkpoint.errors import CheckpointMismatchError
+from fsdpkit.export.expected_model import ExpectedModel, detect_prefix
 from fsdpkit.export.hf_config import is_tied
-from fsdpkit.export.keys import (
-    LEADING_WRAPPERS,
-    WRAPPER_COMPONENTS,
-    is_non_model_namespace,
-    model_weights,
-    split_namespace,
-)
-from fsdpkit.export.model_config import ModelConfig, detect_prefix
+from fsdpkit.export.keys import is_non_model_namespace, model_weights, split_namespace
 from fsdpkit.export.sources import OpenedCheckpoint, iter_row_blocks
+from fsdpkit.model.names import LEADING_WRAPPERS, WRAPPER_COMPONENTS
 
 TIED_HEAD, TIED_EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
 COMPARE_BLOCK_BYTES = 16 << 20
@@ -35,7 +30,7 @@ class NamePlan:
 
 
 def plan_names(opened: OpenedCheckpoint, *, namespace: str | None, strip_prefixes: tuple[str, ...], add_prefix: str,
-               model_config: ModelConfig | None) -> NamePlan:
+               expected_model: ExpectedModel | None) -> NamePlan:
     """Output name -> source key for the export of `opened`.
 
     A prefix is detected and stripped only when the user gave neither --strip-prefix nor
@@ -53,22 +48,22 @@ def plan_names(opened: OpenedCheckpoint, *, namespace: str | None, strip_prefixe
     plan = NamePlan(names)
     if wrappers := _wrapper_note(list(names.values()), opened):
         plan.notes.append(wrappers)
-    expected = set(model_config.shapes) if model_config is not None and model_config.shapes is not None else None
+    expected = set(expected_model.shapes) if expected_model is not None and expected_model.shapes is not None else None
     if not strip_prefixes and not add_prefix and not (namespace and is_non_model_namespace(namespace)):
         prefix = detect_prefix(list(names), expected)
         if prefix:
             plan.names = {name[len(prefix):]: key for name, key in names.items()}
-            why = f"the names of {model_config.architecture}" if expected is not None else "a model's own names"
+            why = f"the names of {expected_model.architecture}" if expected is not None else "a model's own names"
             plan.notes.append(f"stripped the prefix {prefix!r} from all {len(names)} names, to match {why} "
                               f"(e.g. {next(iter(names))} -> {next(iter(plan.names))}); --strip-prefix '' keeps them")
-    plan.dropped = drop_tied(plan.names, opened, model_config)
-    if model_config is not None and model_config.shapes is not None:
-        _check_against_config(plan.names, opened, model_config)
+    plan.dropped = drop_tied(plan.names, opened, expected_model)
+    if expected_model is not None and expected_model.shapes is not None:
+        _check_against_config(plan.names, opened, expected_model)
     return plan
 
 
 def _wrapper_note(keys: list[str], opened: OpenedCheckpoint) -> str:
-    """Which wrapper components keys.clean_name removed, if any (a line for the report)."""
+    """Which wrapper components clean_name (fsdpkit.model.names) removed, if any (a line for the report)."""
     found: dict[str, int] = {}
     for key in keys:
         _, name = split_namespace(key, opened.source.key_paths) if opened.kind in ("fsdpkit", "dcp") else ("", key)
@@ -81,7 +76,7 @@ def _wrapper_note(keys: list[str], opened: OpenedCheckpoint) -> str:
                                                                      "names)" for p, n in sorted(found.items()))
 
 
-def _check_against_config(names: dict[str, str], opened: OpenedCheckpoint, cfg: ModelConfig) -> None:
+def _check_against_config(names: dict[str, str], opened: OpenedCheckpoint, cfg: ExpectedModel) -> None:
     assert cfg.shapes is not None
     tensors = opened.source.tensors()
     aliases = {alias for group in cfg.tied for alias in group[1:]}
@@ -115,7 +110,7 @@ def _equal(opened: OpenedCheckpoint, a: str, b: str) -> bool:
 
 
 def _tied_groups(names: dict[str, str], opened: OpenedCheckpoint,
-                 cfg: ModelConfig | None) -> tuple[list[list[str]], str, bool]:
+                 cfg: ExpectedModel | None) -> tuple[list[list[str]], str, bool]:
     """(groups [kept, *aliases], why, whether the config says so) for the export's tied tensors."""
     model_cfg = ((opened.manifest or {}).get("config") or {}).get("model")
     if cfg is not None and cfg.shapes is not None:
@@ -140,7 +135,7 @@ def _manifest_groups(names: dict[str, str], opened: OpenedCheckpoint, model_cfg:
     return [[twin, TIED_HEAD]] if twin else []
 
 
-def drop_tied(names: dict[str, str], opened: OpenedCheckpoint, cfg: ModelConfig | None) -> list[str]:
+def drop_tied(names: dict[str, str], opened: OpenedCheckpoint, cfg: ExpectedModel | None) -> list[str]:
     """Write each tied tensor once, under the name transformers keeps (the embedding's): when the
     config (or the run's) ties them, after checking that they are equal; without a config, when
     lm_head equals the embedding."""

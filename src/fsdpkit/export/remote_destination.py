@@ -24,7 +24,7 @@ from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.storage import RemotePath, is_url, open_storage
 from fsdpkit.export.destination import EXPORT_FILES, EXPORTED_BY, exported_by_value
 from fsdpkit.export.hf_folder import CHAT_TEMPLATES_DIR
-from fsdpkit.export.safetensors_io import INDEX_FILE, read_header
+from fsdpkit.hf.safetensors_reader import INDEX_FILE, read_header
 
 LAST = (INDEX_FILE, "generation_config.json", "config.json", "adapter_config.json")  # uploaded last, in order
 UPLOAD_BLOCK_BYTES = 8 << 20  # read from the local file per write into the upload stream

@@ -40,7 +40,8 @@ from fsdpkit.export.locate import (
     locate_checkpoint,
     not_committed_message,
 )
-from fsdpkit.export.safetensors_io import read_header, safetensors_files
+from fsdpkit.fileio import pread_into
+from fsdpkit.hf.safetensors_reader import SafetensorsReader, safetensors_files
 
 FULL_MODEL_FILE = "model.safetensors"  # what strategy.state_dict_type=full writes (checkpoint/full.py)
 
@@ -106,18 +107,6 @@ def _into(t: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
 def _as_bytes(t: torch.Tensor):
     """A writable numpy uint8 view of a contiguous tensor's memory (for readinto/pread)."""
     return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def _pread_into(fd: int, t: torch.Tensor, offset: int) -> int:
-    """Read `t.nbytes` bytes at `offset` into contiguous `t` (pread: no shared file position, so
-    threads may read one file at once); returns how many the file had (fewer at its end)."""
-    view, done = memoryview(_as_bytes(t)), 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
 
 
 def _ranged_get_into(obj: RemotePath, t: torch.Tensor, offset: int, *, what: str) -> None:
@@ -274,7 +263,8 @@ class DcpSource:
             self._file(relative)  # a missing object fails here, named
             _ranged_get_into(self.elsewhere.get(relative) or self.path / relative, t, offset, what=what)
         else:
-            missing = t.nbytes - _pread_into(self._file(relative).fileno(), t, offset)
+            # pread: no shared file position, so threads may read one file at once
+            missing = t.nbytes - pread_into(self._file(relative).fileno(), memoryview(_as_bytes(t)), offset)
             if missing:
                 raise CheckpointCorruptError(f"{what}: the file ends {missing} bytes early (truncated)")
 
@@ -386,43 +376,30 @@ class DcpLoadSource:
 
 class SafetensorsSource:
     """A `.safetensors` file, a Hugging Face folder (with or without an index) or an fsdpkit
-    `state_dict_type=full` checkpoint's model.safetensors; slices read through `safe_open`."""
+    `state_dict_type=full` checkpoint's model.safetensors, read through the one safetensors reader
+    (fsdpkit.hf.safetensors_reader.SafetensorsReader, which loading a folder into a model uses too):
+    rows are read straight into the caller's buffer, and a tensor name in two files is refused."""
 
     kind = "safetensors"
     key_paths = None
 
     def __init__(self, path: Path, *, files: list[Path] | None = None) -> None:
         self.path = Path(path)
-        self._where: dict[str, Path] = {}
-        self._tensors: dict[str, TensorInfo] = {}
-        for file in files if files is not None else safetensors_files(self.path):
-            for name, (dtype, shape, _, _) in read_header(file).tensors.items():
-                if name in self._where:
-                    raise CheckpointCorruptError(f"{name} is in both {self._where[name]} and {file}")
-                self._where[name], self._tensors[name] = file, TensorInfo(tuple(shape), dtype)
-        self._handles: dict[Path, Any] = {}
-        self._lock = threading.Lock()
+        self._reader = SafetensorsReader(files if files is not None else safetensors_files(self.path))
+        self._tensors = {name: TensorInfo(tuple(shape), dtype)
+                         for name, (dtype, shape) in self._reader.tensors().items()}
 
     def tensors(self) -> dict[str, TensorInfo]:
         return self._tensors
 
     def file_of(self, key: str) -> Path:
-        return self._where[key]
+        return self._reader.file_of(key)
 
     def read_rows(self, key: str, start: int, stop: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        from safetensors import safe_open
-
-        file = self._where[key]
-        with self._lock:
-            if file not in self._handles:
-                self._handles[file] = safe_open(str(file), framework="pt")
-            handle = self._handles[file]
-        if not self._tensors[key].shape:
-            return _into(handle.get_tensor(key), out)
-        return _into(handle.get_slice(key)[start:stop], out)
+        return self._reader.read_rows(key, start, stop, out=out)
 
     def close(self) -> None:
-        self._handles.clear()
+        self._reader.close()
 
 
 @dataclass

@@ -47,8 +47,8 @@ from fsdpkit.export.locate import (
     locate_checkpoint,
     not_committed_message,
 )
-from fsdpkit.export.safetensors_io import INDEX_FILE, read_header, safetensors_files
 from fsdpkit.export.sources import Chunk, DcpSource, chunk_problems, iter_row_blocks, with_shared
+from fsdpkit.hf.safetensors_reader import INDEX_FILE, read_header, safetensors_files
 
 
 class _Problems:

@@ -1,4 +1,8 @@
-"""Plain single-device models. Nothing here knows about distribution or checkpoints."""
+"""Plain single-device models, and what any causal LM is asked (its forward, logits, vocabulary,
+init scale). Nothing here knows about distribution, checkpoints or files: a model built from a
+config, which may name a Hugging Face folder, is fsdpkit.hf.build_model's, and that package
+initialises the buffers and loads a folder's weights (see its docstring for the layering).
+"""
 
 from __future__ import annotations
 
@@ -14,19 +18,10 @@ from fsdpkit.config.schema import ModelConfig
 from fsdpkit.model.llama import LlamaArgs, LlamaForCausalLM
 
 
-def build_model(cfg: ModelConfig) -> nn.Module:
-    """Construct the model on the current default device (callers use the meta device)."""
-    if cfg.kind == "llama":
-        # Every LlamaArgs field has the same name in ModelConfig.
-        return LlamaForCausalLM(LlamaArgs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(LlamaArgs)}))
-    from fsdpkit.model.hf import build_hf_model
-
-    model = build_hf_model(cfg)
-    if cfg.peft.method == "lora":
-        from fsdpkit.model.peft import apply_lora
-
-        model = apply_lora(model, cfg.peft)
-    return model
+def build_llama(cfg: ModelConfig) -> LlamaForCausalLM:
+    """fsdpkit's reference Llama (`model.kind=llama`) on the current default device."""
+    # Every LlamaArgs field has the same name in ModelConfig.
+    return LlamaForCausalLM(LlamaArgs(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(LlamaArgs)}))
 
 
 def param_init_std(model: nn.Module) -> Callable[[str], float | None] | None:
@@ -36,21 +31,6 @@ def param_init_std(model: nn.Module) -> Callable[[str], float | None] | None:
 
         return lora_init_std(model)
     return None
-
-
-def grow_vocab(cfg: ModelConfig, size: int) -> bool:
-    """Set the model config's vocabulary to `size` if that is larger; returns whether it grew."""
-    if cfg.kind == "hf" and "vocab_size" not in cfg.hf_config:
-        from fsdpkit.model.hf import hf_config
-
-        cfg.hf_config["vocab_size"] = hf_config(cfg)[0].vocab_size
-    current = int(cfg.hf_config["vocab_size"]) if cfg.kind == "hf" else cfg.vocab_size
-    if size <= current:
-        return False
-    cfg.vocab_size = size
-    if cfg.kind == "hf":
-        cfg.hf_config["vocab_size"] = size
-    return True
 
 
 def init_std(model: nn.Module) -> float:
@@ -64,22 +44,6 @@ def vocab_size(model: nn.Module) -> int:
     if isinstance(model, LlamaForCausalLM):
         return model.args.vocab_size
     return int(model.config.vocab_size)
-
-
-@torch.no_grad()
-def reset_nonpersistent_buffers(model: nn.Module, *, leave_to_model: frozenset[int] = frozenset(),
-                                keep_persistent: bool = False) -> None:
-    """Give every buffer the value the model's construction gives it, after to_empty() (RoPE
-    tables, embedding scales, ...), and the parameters in `leave_to_model` (ids; transformers
-    models only) what the model's own init gives them; no other parameter is touched.
-    keep_persistent: the persistent buffers were just loaded (they are in the state dict, so in
-    the weights file): they keep the loaded values, as from_pretrained keeps them."""
-    if isinstance(model, LlamaForCausalLM):
-        model.reset_nonpersistent_buffers()
-    else:
-        from fsdpkit.model.hf import init_hf_buffers
-
-        init_hf_buffers(model, leave_to_model=leave_to_model, keep_persistent=keep_persistent)
 
 
 @functools.cache

@@ -8,7 +8,8 @@ The order is fixed and matters (as in torchtitan):
      random ops such as dropout exactly), as torchtitan's AC-then-compile order has it; FSDP's
      hooks stay outside;
   3. `fully_shard` on every wrap-policy module, bottom-up, then on the root;
-  4. `to_empty` on the target device, deterministic init, then recompute non-persistent buffers.
+  4. `to_empty` on the target device, deterministic init, then every buffer's value (unless the
+     weights of a Hugging Face folder are loaded next: their import gives the buffers theirs, once).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import os
 import types
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,9 +28,11 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdpkit import dist
 from fsdpkit.config.schema import Config
+from fsdpkit.hf.buffers import init_buffers
+from fsdpkit.hf.build import build_model
+from fsdpkit.hf.library import is_hf_model
 from fsdpkit.log import get_logger
-from fsdpkit.model import build_model, init_std, param_init_std, reset_nonpersistent_buffers
-from fsdpkit.model.hf import is_hf_model
+from fsdpkit.model import init_std, param_init_std
 from fsdpkit.parallel.init import init_weights
 from fsdpkit.parallel.policies import (
     matching_modules,
@@ -61,13 +65,20 @@ def build_mesh(cfg: Config, device: torch.device) -> DeviceMesh:
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 
-def build_sharded_model(cfg: Config, device: torch.device, *, init: bool = True) -> tuple[nn.Module, ShardingPlan]:
+def build_sharded_model(cfg: Config, device: torch.device, *, init: bool = True, buffers: bool = True,
+                        hf_config: Any = None) -> tuple[nn.Module, ShardingPlan]:
     """The configured model, sharded with FSDP2 on `device` and initialised from cfg.seed.
-    With init=False (a checkpoint will be loaded) the random initialisation is skipped."""
+
+    Args:
+        init: False when a checkpoint or a folder will be loaded: the random init is skipped.
+        buffers: False when a Hugging Face folder's weights are loaded next (load_hf_weights
+            initialises the buffers after them).
+        hf_config: the run's resolved transformers config (fsdpkit.hf.build.build_model).
+    """
     with torch.device("meta"):
-        model = build_model(cfg.model)
+        model = build_model(cfg.model, hf_config=hf_config)
     plan = apply_fsdp(model, cfg, mesh=build_mesh(cfg, device))
-    materialize(model, device=device, seed=cfg.seed, cpu_offload=cfg.strategy.cpu_offload, init=init)
+    materialize(model, device=device, seed=cfg.seed, cpu_offload=cfg.strategy.cpu_offload, init=init, buffers=buffers)
     return model, plan
 
 
@@ -155,18 +166,26 @@ def warn_if_root_heavy(model: nn.Module, units: list[tuple[str, nn.Module]], *, 
 
 
 def materialize(model: nn.Module, *, device: torch.device, seed: int, cpu_offload: bool = False,
-                init: bool = True) -> None:
+                init: bool = True, buffers: bool = True) -> None:
     """Allocate the sharded model and initialise it, identically at any world size.
 
     With CPU offload the sharded parameters live in CPU memory; buffers (not managed by FSDP2)
     still belong on the compute device.
+
+    Args:
+        init: draw the parameters from `seed` (False: a checkpoint or folder is loaded next).
+        buffers: give every buffer, and the parameters the init leaves to a transformers model,
+            their values (fsdpkit.hf.buffers.init_buffers). False only when a Hugging Face
+            folder's weights are loaded next: their import does it after them, and every
+            parameter left to the model is in the folder.
     """
     model.to_empty(device="cpu" if cpu_offload else device)
     left: set[int] = set()
     if init:
         left = init_weights(model, seed=seed, std=init_std(model), std_of=param_init_std(model),
                             leave_to_model=is_hf_model(model))
-    reset_nonpersistent_buffers(model, leave_to_model=frozenset(left))
+    if buffers:
+        init_buffers(model, also_params=frozenset(left))
     if cpu_offload:
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):

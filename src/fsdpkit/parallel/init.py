@@ -67,7 +67,7 @@ def init_weights(model: nn.Module, *, seed: int, std: float,
 
     With `leave_to_model` (transformers models), norm weights, biases and every other 1-D parameter
     are left alone: their values are constants that the model's own `_init_weights` decides (Gemma's
-    norms start at 0, since they scale by 1 + weight), see fsdpkit.model.hf.init_hf_buffers.
+    norms start at 0, since they scale by 1 + weight), see fsdpkit.hf.buffers.init_buffers.
 
     Works on plain tensors and on FSDP2 DTensor shards alike (tied weights are visited once).
     Returns:

@@ -96,7 +96,7 @@ def check_packing(cfg: Config) -> None:
         return
     import torch
 
-    from fsdpkit.model import build_model
+    from fsdpkit.hf.build import build_model
     from fsdpkit.model.isolation import packing_refusal
 
     with torch.device("meta"):

@@ -17,12 +17,14 @@ from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets, describe_split
 from fsdpkit.data.tokenizer import tokenizer_size
 from fsdpkit.diagnostics import TensorBoardWriter, start_diagnostics
-from fsdpkit.export import export_checkpoint, load_hf_weights
-from fsdpkit.export.model_config import read_json_object
+from fsdpkit.export import export_checkpoint
+from fsdpkit.hf.config_json import read_json_object
+from fsdpkit.hf.folder_config import resolve_hf_config
+from fsdpkit.hf.vocab_and_tie import check_vocab_and_tie
+from fsdpkit.hf.weights import load_hf_weights
 from fsdpkit.log import get_logger, setup_logging
-from fsdpkit.model import grow_vocab, vocab_size
+from fsdpkit.model import vocab_size
 from fsdpkit.model.document_attention import use_document_attention
-from fsdpkit.model.embeddings import check_vocab_and_tie
 from fsdpkit.model.head import output_head
 from fsdpkit.model.isolation import check_isolation, packing_refusal
 from fsdpkit.model.peft import peft_base_name
@@ -61,32 +63,41 @@ def precision_note(cfg: Config, plan: ShardingPlan, model: torch.nn.Module) -> s
     return note
 
 
-def resolve_model_config(cfg: Config, *, log_overrides: bool = False) -> None:
-    """With model.path: record in model.hf_config the whole config the run trains with (the
-    folder's config.json as transformers reads it, with model.hf_config's fields over it, each
-    one logged). Idempotent: a recorded config changes nothing when resolved again."""
-    if cfg.model.kind != "hf" or not cfg.model.path:
-        return
-    from fsdpkit.model.hf import hf_config
-
-    config, changed = hf_config(cfg.model)
+def resolve_model_config(cfg: Config, *, log_overrides: bool = False) -> Any:
+    """The transformers config a `model.kind=hf` run trains with (None for model.kind=llama), read
+    once per run: the run builds its model from this object. With model.path, model.hf_config
+    records the whole of it (the folder's config.json as transformers reads it, with
+    model.hf_config's fields over it, each one logged), so that config.yaml, checkpoints and
+    exports carry it. Idempotent: a recorded config changes nothing when resolved again."""
+    if cfg.model.kind != "hf":
+        return None
+    config, changed = resolve_hf_config(cfg.model)
     for line in changed if log_overrides else ():
         log.info("model.hf_config overrides %s/config.json: %s", cfg.model.path, line)
-    cfg.model.hf_config = config.to_dict()
+    if cfg.model.path:
+        cfg.model.hf_config = config.to_dict()
+    return config
 
 
-def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path,
-                  init: bool = True) -> tuple[Trainer, ShardingPlan]:
-    """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
+def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: bool = True,
+                  hf_config: Any = None) -> tuple[Trainer, ShardingPlan]:
+    """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank.
+
+    Args:
+        hf_config: what `resolve_model_config(cfg)` returned (train() resolves it first); resolved
+            here when not given.
+    """
     check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
-    resolve_model_config(cfg)
+    if hf_config is None:
+        hf_config = resolve_model_config(cfg)
     init_from = (cfg.model.path if cfg.model.pretrained else "") or cfg.model.init_from.removeprefix("hf:")
     init_from = init_from if init else ""
     lora = cfg.model.peft.method == "lora"
-    grown = resize_vocab_to_tokenizer(cfg)
+    grown = resize_vocab_to_tokenizer(cfg, hf_config)
     # LoRA adapters and grown vocabulary rows are not in the base model's folder: they get their
-    # own init, the rest is loaded.
-    model, plan = build_sharded_model(cfg, device, init=init and (lora or grown or not init_from))
+    # own init, the rest is loaded (and the buffers with it: once, after the weights).
+    model, plan = build_sharded_model(cfg, device, init=init and (lora or grown or not init_from),
+                                      buffers=not init_from, hf_config=hf_config)
     if packs_documents(cfg) and (why := packing_refusal(model)):  # also under a plain torchrun launch
         raise ValueError(why)
     # sdpa by transformers' choice (not the user's), not compiled: attend one packed document at a time
@@ -143,13 +154,20 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path,
     return trainer, plan
 
 
-def resize_vocab_to_tokenizer(cfg: Config) -> bool:
+def resize_vocab_to_tokenizer(cfg: Config, hf_config: Any = None) -> bool:
     """model.resize_to_tokenizer: grow the model's vocabulary to data.tokenizer's size (in the config,
-    before the model is built); returns whether the vocabulary is larger than configured."""
+    and in `hf_config`, the run's transformers config, before the model is built from them);
+    returns whether the vocabulary is larger than configured."""
     if not (cfg.model.resize_to_tokenizer and cfg.data.kind == "hf" and cfg.data.tokenizer):
         return False
     size = tokenizer_size(cfg.data.tokenizer)
-    if grow_vocab(cfg.model, size):
+    if cfg.model.kind == "hf" and hf_config is None:
+        hf_config = resolve_model_config(cfg)
+    if size > (cfg.model.vocab_size if hf_config is None else hf_config.vocab_size):
+        cfg.model.vocab_size = size
+        if hf_config is not None:
+            hf_config.vocab_size = size
+            cfg.model.hf_config["vocab_size"] = size
         log.info("model vocabulary grown to %d rows for data.tokenizer (model.resize_to_tokenizer)", size)
     return cfg.model.vocab_size == size
 
@@ -209,8 +227,8 @@ def train(cfg: Config, *, device: torch.device) -> dict[str, Any]:
     try:
         seed_everything(cfg.seed, rank=dist.rank())
         # before config.yaml is written: it records the config trained with
-        resolve_model_config(cfg, log_overrides=True)
-        resize_vocab_to_tokenizer(cfg)  # likewise the grown size
+        hf_config = resolve_model_config(cfg, log_overrides=True)
+        resize_vocab_to_tokenizer(cfg, hf_config)  # likewise the grown size
         run_dir = Path(cfg.run_dir)
         dist.on_main(lambda: check_directories(cfg))  # every rank stops here, with rank 0's message
         if dist.is_main():
@@ -222,7 +240,8 @@ def train(cfg: Config, *, device: torch.device) -> dict[str, Any]:
                                       micro_batch_size=cfg.train.micro_batch_size))
         groups = CheckpointGroups.create(cfg.checkpoint)
         found = find_checkpoint(cfg.checkpoint, group=groups.sync)  # before the model: skip init if resuming
-        trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=found.path is None)
+        trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=found.path is None,
+                                      hf_config=hf_config)
         attach_checkpointer(trainer, cfg, plan, groups=groups).resume(found)
         if packs_documents(cfg):  # on the weights it trains from: the model itself keeps documents apart
             check_isolation(trainer.model, vocab_size=vocab_size(trainer.model), device=device, seed=cfg.seed)

@@ -8,7 +8,6 @@ prefixes alone (`detect_prefix`).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,15 +15,16 @@ from typing import Any
 
 import torch
 
-CONFIG_FILE, GENERATION_FILE = "config.json", "generation_config.json"
+from fsdpkit.hf.config_json import CONFIG_FILE, GENERATION_FILE, read_json_object
+
 CONFIG_HINT = ("pass --config with the model's config.json or its Hugging Face folder (the one it was trained "
                "from), copy that config.json into {out}, or run model.config.save_pretrained('{out}') in Python")
 
 
 @dataclass
-class ModelConfig:
-    """A config given with --config: its JSON, the generation config beside it (if any), and the
-    model's expected tensors (None without transformers)."""
+class ExpectedModel:
+    """The model a config given with --config describes: the config's JSON, the generation config
+    beside it (if any), and the model's expected tensors (None without transformers)."""
 
     path: Path
     config: dict[str, Any]
@@ -41,37 +41,7 @@ class ModelConfig:
                                                                                                         "?")
 
 
-# transformers writes the floats JSON cannot hold as tagged objects (PreTrainedConfig's
-# `_encode_special_floats`: inf as {"__float__": "Infinity"}) and decodes them when it reads a config.
-_FLOAT_TAG = "__float__"
-_FLOAT_VALUES = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
-
-
-def decode_special_floats(obj: Any) -> Any:
-    """`obj` with transformers' tagged floats ({"__float__": "Infinity"}, "-Infinity", "NaN") made
-    floats again, at any depth, as transformers does when it reads a config.json."""
-    if isinstance(obj, dict):
-        if obj.keys() == {_FLOAT_TAG} and obj[_FLOAT_TAG] in _FLOAT_VALUES:
-            return _FLOAT_VALUES[obj[_FLOAT_TAG]]
-        return {k: decode_special_floats(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(decode_special_floats(v) for v in obj)
-    return obj
-
-
-def read_json_object(path: Path, *, where: str) -> dict[str, Any]:
-    """The JSON object in `path` (a Hugging Face config.json or generation_config.json), its tagged
-    floats decoded; `where` names it in the error (the flag or option that pointed there)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{where}: cannot read it as JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{where}: expected a JSON object (a Hugging Face {path.name}), found {type(data).__name__}")
-    return decode_special_floats(data)
-
-
-def load_model_config(path: str | os.PathLike) -> ModelConfig:
+def load_expected_model(path: str | os.PathLike) -> ExpectedModel:
     """Read `path` (a config.json, or a folder holding one) and describe the model it builds.
 
     Raises:
@@ -87,12 +57,12 @@ def load_model_config(path: str | os.PathLike) -> ModelConfig:
     generation_file = file.parent / GENERATION_FILE
     generation = read_json_object(generation_file,
                                   where=f"--config {generation_file}") if generation_file.is_file() else None
-    found = ModelConfig(path=file, config=config, generation=generation)
+    found = ExpectedModel(path=file, config=config, generation=generation)
     _describe_model(found)
     return found
 
 
-def _describe_model(found: ModelConfig) -> None:
+def _describe_model(found: ExpectedModel) -> None:
     """Fill `shapes` and `tied` from the model transformers builds on the meta device."""
     try:
         import transformers
@@ -124,7 +94,7 @@ def _describe_model(found: ModelConfig) -> None:
     found.note = f"names checked against {cls.__name__} built from the config (transformers {transformers.__version__})"
 
 
-def config_files(found: ModelConfig, *, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def config_files(found: ExpectedModel, *, dtype: torch.dtype) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """(config.json, generation_config.json) to write: the given ones, with the dtype the export wrote."""
     config = dict(found.config)
     key = "torch_dtype" if "torch_dtype" in config else "dtype"  # transformers 4.x wrote torch_dtype, 5.x dtype
