@@ -50,6 +50,7 @@ from fsdpkit.checkpoint.staging import (
 )
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.checkpoint.storage.mirror import Mirror
+from fsdpkit.dist import group_rank
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -119,7 +120,7 @@ class AsyncSaver:
                          self._pending[0].step)
             previous = self.wait()
         t_waited = time.perf_counter()
-        rank = tdist.get_rank(self.group) if tdist.is_initialized() else 0
+        rank = group_rank(self.group)
         live = capture(target, step=step, meta=meta, rank=rank)
         if self.frozen is not None:  # before staging: frozen tensors are neither copied nor written while unchanged
             # the write checksums the host copy (save.stage_hashing or _write_and_hash): the row hash

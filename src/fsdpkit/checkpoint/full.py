@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
 from fsdpkit.checkpoint.state import CheckpointTarget, capture_rng
+from fsdpkit.dist import group_size
 
 MODEL_FILE, OPTIM_FILE, RNG_FILE = "model.safetensors", "optimizer.safetensors", "rng.safetensors"
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -53,7 +54,7 @@ def write_full(target: CheckpointTarget, ckpt_dir: Path, *, rank: int,
     else:  # an EMA copy, a frozen teacher: the model and the RNG only
         model_sd, optim_sd = get_model_state_dict(target.model, options=GATHER), None
     rng = capture_rng()
-    everyone = [None] * (tdist.get_world_size(group) if tdist.is_initialized() else 1)
+    everyone = [None] * group_size(group)
     if tdist.is_initialized():
         tdist.all_gather_object(everyone, rng, group=group)
     else:

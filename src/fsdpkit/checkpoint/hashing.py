@@ -38,6 +38,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from fsdpkit import tunables
 from fsdpkit.checkpoint.io.page_cache import SequentialReader
 from fsdpkit.checkpoint.staging import copy_host, local_part
+from fsdpkit.dist import group_rank
 
 HASH_NAME = "xxh3_64"
 ROWS, LINEAR = "xxh3_64-rows", "linear"  # tensor hash algorithms (see above)
@@ -300,17 +301,13 @@ def hash_algorithm_for(tensors: dict[str, torch.Tensor]) -> str:
     return LINEAR if any(t.device.type != "cpu" for t in tensors.values()) else ROWS
 
 
-def _rank(group: tdist.ProcessGroup | None) -> int:
-    return tdist.get_rank(group) if tdist.is_initialized() else 0
-
-
 def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algorithm: str,
                         copy_to: torch.Tensor | None = None) -> int:
     """This rank's share of the hash; replicas (of plain tensors or Replicate dims) count once.
     `copy_to` (same kind of tensor as `t`): `t`'s local part is copied there in any case."""
     mine = True
     if not isinstance(t, DTensor):
-        mine, first_row = _rank(group) == 0, 0
+        mine, first_row = group_rank(group) == 0, 0
     else:
         coord = t.device_mesh.get_coordinate()
         if coord is None or any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord, strict=True)):

@@ -52,7 +52,7 @@ from fsdpkit.checkpoint.storage.object_lock import ObjectLock
 from fsdpkit.config import validate_checkpoint
 from fsdpkit.config.compose import refuse_removed
 from fsdpkit.config.schema import CheckpointConfig
-from fsdpkit.dist import on_main
+from fsdpkit.dist import group_rank, on_main
 
 log = logging.getLogger("fsdpkit.checkpoint")
 METRICS_IN_MANIFEST = ("loss", "val_loss", "grad_norm")
@@ -525,7 +525,7 @@ class Checkpointer:
                 log.error("not saving on_exception: no step completed before %s", type(error).__name__)
                 return
             boundary_step = self._last_step
-        rank = tdist.get_rank() if tdist.is_initialized() else 0
+        rank = group_rank()
         log.error("rank %d: training failed with %s: %s; checking whether every rank can save on_exception",
                   rank, type(error).__name__, error)
         try:

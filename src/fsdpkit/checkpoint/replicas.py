@@ -53,6 +53,7 @@ from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, C
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
 from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
 from fsdpkit.checkpoint.staging import tensors as tensors_in
+from fsdpkit.dist import group_rank
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -121,7 +122,7 @@ def load_replicated(state: dict[str, Any], reader: Any, *, read: Callable[..., N
     UnsafeCheckpointError (a refused `.metadata` or item), CheckpointError for anything else that
     failed a reader's load.
     """
-    rank = _group_rank(group)
+    rank = group_rank(group)
     own_rng = state.get("rng", {}).get(f"rank{rank}")
     if len(replication.readers) > 1:
         replication = dataclasses.replace(replication, group=readers_group(replication.readers))
@@ -135,11 +136,6 @@ def load_replicated(state: dict[str, Any], reader: Any, *, read: Callable[..., N
     else:
         state["rng"] = {f"rank{rank}": rng}
     return rng
-
-
-def _group_rank(group: tdist.ProcessGroup | None, global_rank: int | None = None) -> int:
-    global_rank = tdist.get_rank() if global_rank is None else global_rank
-    return global_rank if group is None else tdist.get_group_rank(group, global_rank)
 
 
 # A failure as the ranks agree on it: (error type, message, whether this rank's own load failed
@@ -192,7 +188,7 @@ def _read(state: dict[str, Any], reader: Any, *, read: Callable[..., None], repl
     try:
         read(into, group=pg, no_dist=pg is None)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        own = not isinstance(e, CheckpointException) or (tdist.get_rank(pg) if pg else 0) in e.failures
+        own = not isinstance(e, CheckpointException) or (group_rank(pg) if pg else 0) in e.failures
         return _describe(e, reader, state=into, ckpt_dir=ckpt_dir, manifest=manifest, own=own)
     if pg is not None:
         leaves = {p: v for p, v in _flat(state).items() if _alike(p, v)} if first else alike
@@ -222,10 +218,10 @@ def _select_rng(state: dict[str, Any], reader: Any, *, replication: Replication,
     if "rng" not in state:
         return
     saved = reader.read_metadata().state_dict_metadata
-    me = _group_rank(group)
+    me = group_rank(group)
     own = state["rng"][f"rank{me}"]
     rng = {}
-    for peer in (_group_rank(group, p) for p in replication.peers):
+    for peer in (group_rank(group, of=p) for p in replication.peers):
         keys = [k for k in own if f"rng.rank{peer}.{k}" in saved]
         if "torch_cpu" in keys:
             rng[f"rank{peer}"] = {k: own[k] if peer == me else own[k].clone() for k in keys}
@@ -290,7 +286,7 @@ def _check(files: list[str], *, ckpt_dir: Path, manifest: dict[str, Any]) -> lis
 def _agree(failure: Failure | None, *, group: tdist.ProcessGroup | None) -> None:
     """Collective over `group`: if any rank failed, raise on every rank the error of the first
     rank whose own load failed (else the first that heard of a failure). One all-reduce when none did."""
-    ws, me = tdist.get_world_size(group), _group_rank(group)
+    ws, me = tdist.get_world_size(group), group_rank(group)
     score = 2 * ws if failure is None else me if failure[2] else ws + me
     first = torch.tensor([score], dtype=torch.int64)
     tdist.all_reduce(first, op=tdist.ReduceOp.MIN, group=group)

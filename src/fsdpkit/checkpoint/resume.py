@@ -31,7 +31,7 @@ from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
 from fsdpkit.checkpoint.storage import open_storage
-from fsdpkit.dist import on_main
+from fsdpkit.dist import group_rank, group_size, on_main
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -80,8 +80,8 @@ def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.Proce
     """Recompute every file checksum (the shared files the checkpoint references too; with `only`,
     the files (directory, name, manifest entry) it accepts), split over ranks (and threads); every
     rank gets all problems."""
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
-    ws = tdist.get_world_size(group) if tdist.is_initialized() else 1
+    rank = group_rank(group)
+    ws = group_size(group)
     listed = [(directory / name, info) for directory, files in file_sets(ckpt_dir, manifest)
               for name, info in sorted(files.items()) if only is None or only(directory, name, info)]
 
@@ -117,7 +117,7 @@ def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGrou
     """
     if resume == "none":
         return None
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    rank = group_rank(group)
     if resume == "auto":
         candidates, explicit = None, False
         if rank == 0:
@@ -212,7 +212,7 @@ def load_checkpoint(
         on_main(lambda: _check_present(ckpt_dir, manifest), group=group, errors=(CheckpointCorruptError,))
     if verify_files:  # and those the load's own read cannot check, whole
         _check_files(ckpt_dir, manifest, group=group, only=_read_unchecked if one_read else None)
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    rank = group_rank(group)
     tensors: dict[str, Any] = {}
     readers: dict[str, Any] = {}
     if not sharded:
@@ -428,7 +428,7 @@ def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group
                     model_only: bool, ckpt_dir: Path) -> None:
     """Compare the live, restored state with the manifest: keys, shapes, dtypes, checksums and
     optimizer step counts. Any difference is an error naming the key and both values."""
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    rank = group_rank(group)
     # checkpoints written before the algorithm was recorded used `linear`
     _, live = tensor_table(target.tensor_state(rank=rank, model_only=model_only), group=group,
                            algorithm=manifest.get("tensor_hash", LINEAR))

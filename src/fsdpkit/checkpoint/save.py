@@ -51,6 +51,7 @@ from fsdpkit.checkpoint.manifest import (
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
 from fsdpkit.checkpoint.storage import remove_tree
 from fsdpkit.checkpoint.storage.mirror import Mirror
+from fsdpkit.dist import group_rank, group_size
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -231,7 +232,7 @@ class FrozenShare:
             algorithm, table = tensor_table(frozen, group=group, algorithm=algorithm)
             current = self.current
             if current is not None and current.algorithm == algorithm and current.tensors == table:
-                problem = _agree(stale_problem(current, self.root) if _rank(group) == 0 else None, group)
+                problem = _agree(stale_problem(current, self.root) if group_rank(group) == 0 else None, group)
                 if problem is None:
                     snapshot.shared, snapshot.frozen_s = current, time.perf_counter() - t0
                     return
@@ -251,7 +252,7 @@ class FrozenShare:
 
     def _write(self, frozen: dict[str, Any], table: dict[str, Any], algorithm: str, *, run_id: str, step: int,
                group: tdist.ProcessGroup | None, thread_count: int) -> SharedDir:
-        name = _agree(new_dir_name(run_id=run_id, step=step) if _rank(group) == 0 else None, group)
+        name = _agree(new_dir_name(run_id=run_id, step=step) if group_rank(group) == 0 else None, group)
         into = self.root / name
         try:
             try:
@@ -261,7 +262,7 @@ class FrozenShare:
                 record_items(into, fs.files, metadata, covered=frozenset(table))
                 files = {n: i for rank_files in _gather(fs.files, group) for n, i in rank_files.items()}
             except BaseException:
-                if _rank(group) == 0:  # a fresh name that nothing references: give the space back
+                if group_rank(group) == 0:  # a fresh name that nothing references: give the space back
                     with contextlib.suppress(OSError):
                         remove_tree(into)
                 raise
@@ -278,10 +279,6 @@ class FrozenShare:
         log.info("checkpoint: wrote %d frozen tensor(s) to %s; later checkpoints reference them while they are "
                  "unchanged", len(table), into)
         return SharedDir(name, files, table, algorithm)
-
-
-def _rank(group: tdist.ProcessGroup | None) -> int:
-    return tdist.get_rank(group) if tdist.is_initialized() else 0
 
 
 def capture(target: CheckpointTarget, *, step: int, meta: dict[str, Any], rank: int) -> Snapshot:
@@ -320,7 +317,7 @@ def save_checkpoint(
     Raises:
         CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
     """
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    rank = group_rank(group)
     snapshot = capture(target, step=step, meta=meta, rank=rank)
     if state_dict_type != "full":
         if frozen is not None:
@@ -397,7 +394,7 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
             on_commit: Callable[[CkptPath], None] | None) -> dict[str, Any]:
     """Checksum the tensors, `write(dir)` the files ((files by rank, extra manifest fields)), then
     commit on rank 0 and tell every rank the outcome: all ranks succeed or all raise."""
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    rank = group_rank(group)
     step = snapshot.step
     t0 = time.perf_counter()
     try:
@@ -435,7 +432,7 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
                 "format_version": FORMAT_VERSION if shared is not None else FORMAT_VERSION_UNSHARED,
                 "step": step,
                 "committed_at": datetime.now(UTC).isoformat(),
-                "world_size": tdist.get_world_size(group) if tdist.is_initialized() else 1,
+                "world_size": group_size(group),
                 "state_dict_type": kind,
                 "versions": versions(),
                 **snapshot.meta,

@@ -8,7 +8,7 @@ comparing, which doubled the stall; these allocate empty buffers and compare sha
 A blocking host-to-host copy (the training loop waits for it) runs on several threads over
 disjoint pieces of the state: one thread copies at well under the machine's memory bandwidth
 (bench/checkpoint.py measures one and two copies at once). The threads are the cores this
-process may use, divided among the ranks on this host (LOCAL_WORLD_SIZE, as torchrun sets it), at
+process may use, divided among the ranks on this host (fsdpkit.dist.local_world_size), at
 most MAX_COPY_THREADS; FSDPKIT_STAGING_THREADS (fsdpkit.tunables) overrides that.
 
 Where the C extension is built, host copies use non-temporal stores (`_rowhash.stream_copy`):
@@ -29,6 +29,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from fsdpkit import tunables
+from fsdpkit.dist import local_world_size
 
 MAX_COPY_THREADS = 4
 COPY_PIECE_BYTES = 16 << 20  # the unit a parallel copy hands to a thread
@@ -145,8 +146,4 @@ def copy_threads() -> int:
     if threads is not None:
         return threads
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        ranks_here = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        ranks_here = 1
-    return max(1, min(MAX_COPY_THREADS, cores // ranks_here))
+    return max(1, min(MAX_COPY_THREADS, cores // local_world_size()))

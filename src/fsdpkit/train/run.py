@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,7 +77,7 @@ def resolve_model_config(cfg: Config, *, log_overrides: bool = False) -> None:
 def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path,
                   init: bool = True) -> tuple[Trainer, ShardingPlan]:
     """Model (sharded), optimizer (after sharding), schedule, data and metrics for this rank."""
-    check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+    check_world_size(cfg, dist.world_size(), local_world_size=dist.local_world_size())
     resolve_model_config(cfg)
     init_from = (cfg.model.path if cfg.model.pretrained else "") or cfg.model.init_from.removeprefix("hf:")
     init_from = init_from if init else ""

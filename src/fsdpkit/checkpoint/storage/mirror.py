@@ -37,6 +37,7 @@ from fsdpkit.checkpoint.layout import (
     remove_checkpoint,
 )
 from fsdpkit.checkpoint.storage import RemotePath, write_atomic
+from fsdpkit.dist import local_world_size, world_size
 
 MIRROR_OF = ".mirror_of"
 
@@ -140,9 +141,8 @@ class Mirror:
 
 
 def check_single_node(local_dir: str) -> None:
-    """Raise ValueError when the ranks span several nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE)."""
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                                              os.environ.get("WORLD_SIZE", "1")))
+    """Raise ValueError when the ranks span several nodes (fewer ranks on this host than in the world)."""
+    world, local = world_size(), local_world_size()
     if local_dir and local < world:
         raise ValueError(f"checkpoint.local_dir={local_dir}: this job runs {world} ranks on several nodes "
                          f"({local} on this one); a node-local mirror holds only this node's files and could never "
