@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.layout import ARCHIVE, MANIFEST, CkptPath
-from fsdpkit.checkpoint.storage import remove_tree
+from fsdpkit.checkpoint.storage import open_storage
 
 if TYPE_CHECKING:
     from fsdpkit.checkpoint.state import CheckpointTarget
@@ -151,6 +151,7 @@ def sweep(root: CkptPath, *, run_id: str, in_use: str | None) -> list[str]:
     """Rank 0, after retention: remove this run's shared directories that no manifest under
     `root` references any more (superseded frozen tensors, or an interrupted first save), except
     `in_use`. Another run's are never touched. Returns what was removed."""
+    root = open_storage(root)
     shared = root / SHARED
     ours = [p for p in shared.iterdir() if p.name.startswith(f"{run_id}-") and f"{SHARED}/{p.name}" != in_use] \
         if shared.is_dir() else []
@@ -161,7 +162,7 @@ def sweep(root: CkptPath, *, run_id: str, in_use: str | None) -> list[str]:
     for path in ours:
         name = f"{SHARED}/{path.name}"
         if name not in keep:
-            remove_tree(path)
+            path.remove_tree()
             removed.append(name)
     if removed:
         log.info("retention: removed %s (no checkpoint references them)", ", ".join(removed))

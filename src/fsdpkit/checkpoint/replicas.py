@@ -52,6 +52,7 @@ from torch.distributed.tensor import DeviceMesh, DTensor
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
 from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.checkpoint.staging import tensors as tensors_in
 from fsdpkit.dist import group_rank
 
@@ -110,8 +111,8 @@ def find_replication(state: dict[str, Any], *, group: tdist.ProcessGroup | None)
 
 
 def load_replicated(state: dict[str, Any], reader: Any, *, read: Callable[..., None], replication: Replication,
-                    group: tdist.ProcessGroup | None, ckpt_dir: Path,
-                    manifest: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+                    group: tdist.ProcessGroup | None, ckpt_dir: Path, manifest: dict[str, Any],
+                    io: IOSettings) -> dict[str, torch.Tensor] | None:
     """Collective over `group`: fill `state` (target.tensor_state's dict, this rank's `rng` entry
     included) in place, the readers through `read(state, group=..., no_dist=...)` (DCP's load of
     the checkpoint, through `reader`, and of the shared directories it references), their peers by
@@ -127,7 +128,7 @@ def load_replicated(state: dict[str, Any], reader: Any, *, read: Callable[..., N
     if len(replication.readers) > 1:
         replication = dataclasses.replace(replication, group=readers_group(replication.readers))
     failure = _read(state, reader, read=read, replication=replication, group=group, ckpt_dir=ckpt_dir,
-                    manifest=manifest) if replication.reads else None
+                    manifest=manifest, io=io) if replication.reads else None
     _agree(failure, group=group)
     rng, problem = _broadcast(state, replication=replication, rank=rank, own_rng=own_rng)
     _agree(problem, group=group)
@@ -162,7 +163,7 @@ def readers_group(readers: tuple[int, ...]) -> tdist.ProcessGroup | None:
 
 
 def _read(state: dict[str, Any], reader: Any, *, read: Callable[..., None], replication: Replication,
-          group: tdist.ProcessGroup | None, ckpt_dir: Path, manifest: dict[str, Any]) -> Failure | None:
+          group: tdist.ProcessGroup | None, ckpt_dir: Path, manifest: dict[str, Any], io: IOSettings) -> Failure | None:
     """A reader: DCP load of its shards and of its peers' RNG state; the first reader alone reads the
     leaves that every rank holds alike (plain tensors, optimizer `param_groups`) and hands them to
     the other readers. Returns the failure, if any (every reader then has one, or hears of one)."""
@@ -173,7 +174,7 @@ def _read(state: dict[str, Any], reader: Any, *, read: Callable[..., None], repl
         reader.read_metadata()
         _select_rng(state, reader, replication=replication, group=group)
     except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
-        failure = _describe(e, reader, state=state, ckpt_dir=ckpt_dir, manifest=manifest, own=True)
+        failure = _describe(e, reader, state=state, ckpt_dir=ckpt_dir, manifest=manifest, own=True, io=io)
     if pg is not None:  # the readers enter dcp.load together, or none does
         flag = torch.tensor([failure is not None], dtype=torch.int64)
         tdist.all_reduce(flag, group=pg)
@@ -189,7 +190,7 @@ def _read(state: dict[str, Any], reader: Any, *, read: Callable[..., None], repl
         read(into, group=pg, no_dist=pg is None)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
         own = not isinstance(e, CheckpointException) or (group_rank(pg) if pg else 0) in e.failures
-        return _describe(e, reader, state=into, ckpt_dir=ckpt_dir, manifest=manifest, own=own)
+        return _describe(e, reader, state=into, ckpt_dir=ckpt_dir, manifest=manifest, own=own, io=io)
     if pg is not None:
         leaves = {p: v for p, v in _flat(state).items() if _alike(p, v)} if first else alike
         _, problems = _share(state, leaves, src=replication.readers[0], pg=pg, device=torch.device("cpu"))
@@ -232,7 +233,7 @@ def _select_rng(state: dict[str, Any], reader: Any, *, replication: Replication,
 
 
 def _describe(error: BaseException, reader: Any, *, state: dict[str, Any], ckpt_dir: Path, manifest: dict[str, Any],
-              own: bool) -> Failure:
+              own: bool, io: IOSettings) -> Failure:
     """A reader's failed load as every rank will raise it, naming the files it was reading."""
     causes = [e for e, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
     ours = [type(c) for c in causes if isinstance(c, CheckpointError)]
@@ -241,7 +242,7 @@ def _describe(error: BaseException, reader: Any, *, state: dict[str, Any], ckpt_
     where = ""
     if own:
         files = _files_read(reader, state)
-        damaged = _check(files, ckpt_dir=ckpt_dir, manifest=manifest)
+        damaged = _check(files, ckpt_dir=ckpt_dir, manifest=manifest, io=io)
         where = (f" Damaged: {'; '.join(damaged)}." if damaged
                  else f" It was reading {', '.join(str(ckpt_dir / f) for f in files)}." if files else "")
     message = (f"{ckpt_dir} could not be loaded: rank {tdist.get_rank()}, which reads for its replicas, failed "
@@ -261,7 +262,7 @@ def _files_read(reader: Any, state: dict[str, Any]) -> list[str]:
         return []
 
 
-def _check(files: list[str], *, ckpt_dir: Path, manifest: dict[str, Any]) -> list[str]:
+def _check(files: list[str], *, ckpt_dir: Path, manifest: dict[str, Any], io: IOSettings) -> list[str]:
     """The problems of `files` against the manifest's sizes and checksums."""
     problems = []
     for name in files:
@@ -269,7 +270,7 @@ def _check(files: list[str], *, ckpt_dir: Path, manifest: dict[str, Any]) -> lis
         if info is None:
             continue
         try:
-            size, digest = file_checksum(path)
+            size, digest = file_checksum(path, io=io)
         except FileNotFoundError:
             problems.append(f"{path} is missing")
             continue

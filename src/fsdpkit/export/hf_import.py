@@ -27,7 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from fsdpkit.checkpoint.manifest import dtype_name
-from fsdpkit.checkpoint.storage import RemotePath, open_storage
+from fsdpkit.checkpoint.storage import RangeReader, StoragePath, open_storage
 from fsdpkit.export.keys import clean_name
 from fsdpkit.export.safetensors_io import read_header, safetensors_files
 from fsdpkit.model import reset_nonpersistent_buffers
@@ -265,14 +265,14 @@ class SafetensorsRows:
     resident, counted in its RSS, until the file is closed). Local files are read with `pread`,
     files in object storage with ranged GETs. Close it (or use it as a context manager)."""
 
-    def __init__(self, path: Path | RemotePath):
+    def __init__(self, path: StoragePath):
         self.path, self.header = path, read_header(path)
-        self._fd = None if isinstance(path, RemotePath) else os.open(path, os.O_RDONLY)
+        self._ranges: RangeReader | None = open_storage(path).open_ranges()
 
     def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        if self._ranges is not None:
+            self._ranges.close()
+            self._ranges = None
 
     def __enter__(self) -> SafetensorsRows:
         return self
@@ -287,15 +287,8 @@ class SafetensorsRows:
         return _RowSlice(self, name)
 
     def _read_into(self, view: memoryview, offset: int) -> int:
-        if self._fd is None:
-            return self.path.read_range_into(view, offset)
-        done = 0
-        while done < len(view):
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got == 0:
-                break
-            done += got
-        return done
+        assert self._ranges is not None, "read after close"
+        return self._ranges.read_into(view, offset)
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         dtype, shape, begin, _ = self.header.tensors[name]

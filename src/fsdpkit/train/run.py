@@ -11,7 +11,8 @@ import torch
 from omegaconf import OmegaConf
 
 from fsdpkit import __version__, dist
-from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, find_checkpoint
+from fsdpkit.checkpoint.find import find_checkpoint
+from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets, describe_split
 from fsdpkit.data.tokenizer import tokenizer_size
@@ -170,7 +171,8 @@ def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *,
         state=state, sharding=sharding,
         mesh={"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.mesh_dim_names or ())},
         config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-        state_dict_type=cfg.strategy.state_dict_type, on_event=trainer.metrics.write, groups=groups)
+        state_dict_type=cfg.strategy.state_dict_type, on_event=trainer.metrics.write, groups=groups,
+        optimizer_steps=True)  # the trainer's step counts optimizer updates: a load checks the optimizer's
     return trainer.checkpointer
 
 
