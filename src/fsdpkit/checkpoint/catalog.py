@@ -1,6 +1,7 @@
 """The catalog of a checkpoints root: how checkpoints are named, which are there, which are
 committed, and where `latest` points. Each question has its one answer here; resolution
-(resume.py), retention (retention.py), ownership (ownership.py), the mirror and the offline tools
+(resolve.py), retention (retention.py), ownership (ownership.py), the save (save.py), the sweep of
+shared frozen tensors (frozen.py), the local mirror (storage/mirror.py) and the offline tools
 (export/locate.py) ask it.
 
 - Names: `step_<N>` (step_dir_name, STEP_DIR), `on_exception`, and either's `.incoming` (a
@@ -19,7 +20,7 @@ from pathlib import PurePath
 from typing import Any
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, ON_EXCEPTION, CkptPath, utc_stamp
+from fsdpkit.checkpoint.layout import ARCHIVE, INCOMING, LATEST, MANIFEST, ON_EXCEPTION, CkptPath, utc_stamp
 from fsdpkit.checkpoint.manifest import read_manifest
 from fsdpkit.checkpoint.storage import open_storage
 
@@ -67,6 +68,18 @@ def candidates(root: CkptPath) -> list[CkptPath]:
     if not root.is_dir():
         return []
     return [p for p in root.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)]
+
+
+def every_dir(root: CkptPath, *, besides: tuple[str, ...] = ()) -> list[CkptPath]:
+    """Every directory that holds or held a checkpoint under `root`, whatever its state: committed
+    or not, moved aside (`<name>.corrupt-<time>`), archived (archive/<time>/<name>); the directories
+    named in `besides` excepted. For the questions that must see all of them (which shared frozen
+    tensors some manifest still names: frozen.referenced)."""
+    dirs = [p for p in root.iterdir() if p.is_dir() and p.name not in besides] if root.is_dir() else []
+    archive = root / ARCHIVE
+    if archive.is_dir():
+        dirs += [p for stamp in archive.iterdir() if stamp.is_dir() for p in stamp.iterdir() if p.is_dir()]
+    return dirs
 
 
 def newest_first(checkpoint: Committed) -> tuple[int, bool, bool]:

@@ -127,12 +127,10 @@ def referenced(root: CkptPath) -> set[str]:
         CheckpointError: a manifest that exists cannot be read or parsed: what it names is unknown,
             so nothing may be removed.
     """
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name != SHARED] if root.is_dir() else []
-    archive = root / ARCHIVE
-    if archive.is_dir():
-        dirs += [p for stamp in archive.iterdir() if stamp.is_dir() for p in stamp.iterdir() if p.is_dir()]
+    from fsdpkit.checkpoint import catalog  # here: catalog reads manifests, and manifest.py imports this module
+
     names: set[str] = set()
-    for path in dirs:
+    for path in catalog.every_dir(root, besides=(SHARED,)):
         try:
             manifest = json.loads((path / MANIFEST).read_bytes())
         except FileNotFoundError:
