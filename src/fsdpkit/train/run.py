@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from fsdpkit import __version__, dist
 from fsdpkit.checkpoint.find import find_checkpoint
 from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets, describe_split
 from fsdpkit.data.tokenizer import tokenizer_size
@@ -154,10 +155,11 @@ def resize_vocab_to_tokenizer(cfg: Config) -> bool:
     return cfg.model.vocab_size == size
 
 
-def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *,
-                        groups: CheckpointGroups | None = None) -> Checkpointer:
+def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups | None = None,
+                        io_settings: IOSettings | None = None) -> Checkpointer:
     """Give the trainer a Checkpointer (the public API) over its model, optimizer, scheduler and
-    Stateful pieces; `resume()` is the caller's next call."""
+    Stateful pieces, with the I/O settings `io_settings` (default: the environment's, as
+    find_checkpoint's); `resume()` is the caller's next call."""
     sharding = {
         "wrap_policy": plan.unit_classes,  # what the policy (`auto` included) resolved to
         "activation_checkpointing": plan.checkpointed_classes,
@@ -172,7 +174,7 @@ def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *,
         mesh={"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.mesh_dim_names or ())},
         config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
         state_dict_type=cfg.strategy.state_dict_type, on_event=trainer.metrics.write, groups=groups,
-        optimizer_steps=True)  # the trainer's step counts optimizer updates: a load checks the optimizer's
+        io_settings=io_settings, optimizer_steps=True)  # its step counts optimizer updates: a load checks them
     return trainer.checkpointer
 
 
@@ -221,10 +223,10 @@ def train(cfg: Config, *, device: torch.device) -> dict[str, Any]:
                  device)
         log.info("%s", describe_split(cfg.train.global_batch_size, world_size=dist.world_size(),
                                       micro_batch_size=cfg.train.micro_batch_size))
-        groups = CheckpointGroups.create(cfg.checkpoint)
-        found = find_checkpoint(cfg.checkpoint, group=groups.sync)  # before the model: skip init if resuming
+        groups, io = CheckpointGroups.create(cfg.checkpoint), IOSettings.from_environment()
+        found = find_checkpoint(cfg.checkpoint, group=groups.sync, io_settings=io)  # before the model: skip init
         trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=found.path is None)
-        attach_checkpointer(trainer, cfg, plan, groups=groups).resume(found)
+        attach_checkpointer(trainer, cfg, plan, groups=groups, io_settings=io).resume(found)
         if packs_documents(cfg):  # on the weights it trains from: the model itself keeps documents apart
             check_isolation(trainer.model, vocab_size=vocab_size(trainer.model), device=device, seed=cfg.seed)
         summary = trainer.fit(stop_at=cfg.train.stop_at or None)
