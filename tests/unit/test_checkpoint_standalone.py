@@ -5,10 +5,13 @@ above it (config, train, cli, export). Its settings are its own (fsdpkit.checkpo
 from __future__ import annotations
 
 import ast
+import inspect
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import fsdpkit
 
@@ -35,3 +38,22 @@ def test_no_checkpoint_module_imports_the_layers_above_it():
             offenders += [f"{path.relative_to(CHECKPOINT.parent)}:{node.lineno} imports {name}"
                           for name in names if name.startswith(ABOVE)]
     assert not offenders, "\n".join(offenders)
+
+
+def test_io_settings_are_passed_in_or_read_from_the_environment_once():
+    from fsdpkit import tunables
+    from fsdpkit.checkpoint import IOSettings
+
+    with tunables.override(lock_wait_s=0.5):
+        assert IOSettings.from_environment().lock_wait_s == 0.5
+    assert IOSettings(lock_wait_s=2.0).lock_wait_s == 2.0
+    with pytest.raises(ValueError, match=r"remote_part_bytes=-1 \(FSDPKIT_REMOTE_PART_BYTES\) is not accepted"):
+        IOSettings(remote_part_bytes=-1)
+
+
+def test_find_checkpoint_takes_the_settings_of_the_checkpointer():
+    from fsdpkit.checkpoint import Checkpointer, find_checkpoint
+
+    finding, constructing = inspect.signature(find_checkpoint).parameters, inspect.signature(Checkpointer).parameters
+    assert finding["settings"].annotation == constructing["settings"].annotation.removesuffix(" | None")
+    assert finding["io_settings"].annotation == constructing["io_settings"].annotation
