@@ -62,7 +62,8 @@ from checkpoint_measure import (
 from checkpoint_methods import dcp_state, save_dcp, save_fsdpkit
 from checkpoint_model import Bench, real_step
 from fsdpkit.checkpoint.manifest import read_manifest
-from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint, verify_files
+from fsdpkit.checkpoint.resolve import resolve_checkpoint
+from fsdpkit.checkpoint.resume import load_checkpoint, verify_files
 
 
 def _newest(b: Bench, root: Path) -> Path:

@@ -46,12 +46,15 @@ from coordinator_plans import (
 from coordinator_probe import peak_rss_mb, reset_peak_rss
 from coordinator_state import LAYERS, Llama70BShape, manifest_meta
 from fsdpkit.checkpoint import save as fsave
+from fsdpkit.checkpoint.catalog import step_dir_name
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
 from fsdpkit.checkpoint.io import hashing_writer, safe_reader
-from fsdpkit.checkpoint.layout import MANIFEST, step_dir_name
+from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
-from fsdpkit.checkpoint.resume import check_optimizer, committed_candidates
+from fsdpkit.checkpoint.resolve import committed_candidates
+from fsdpkit.checkpoint.resume import check_optimizer
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.checkpoint.state import CheckpointTarget
 
 
@@ -164,7 +167,7 @@ class Sim:
         snapshot = fsave.Snapshot(step=self.step, state=self.state, trainer={}, meta=self.meta)
         t0, c0 = time.perf_counter(), time.process_time()
         manifest = fsave._commit(snapshot, ckpt_dir=self.root / "fsdpkit" / step_dir_name(self.step), group=None,
-                                 kind="sharded", write=write, on_commit=None)
+                                 kind="sharded", write=write, io=IOSettings.from_environment())
         wall = time.perf_counter() - t0 - other.wall["other_ranks"]
         cpu = time.process_time() - c0 - other.cpu["other_ranks"]
         record = ph.record()

@@ -25,8 +25,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from coordinator_probe import CollectiveBytes, install_io_clock, measured
 from coordinator_state import build, manifest_meta
-from fsdpkit.checkpoint.layout import MANIFEST, step_dir_name
-from fsdpkit.checkpoint.resume import load_checkpoint, resolve_checkpoint
+from fsdpkit.checkpoint.catalog import step_dir_name
+from fsdpkit.checkpoint.layout import MANIFEST
+from fsdpkit.checkpoint.resolve import resolve_checkpoint
+from fsdpkit.checkpoint.resume import load_checkpoint
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME
 from fsdpkit.checkpoint.save import PlanCache, save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget

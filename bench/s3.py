@@ -135,7 +135,7 @@ def bench_async_stall(target, bucket: str, work: Path, runs: int) -> dict:
     for i in range(2 * runs + 1):  # alternating, each first in turn; the first saves allocate the buffers
         for kind in (("s3", "local") if i % 2 else ("local", "s3")):
             t0 = time.perf_counter()
-            savers[kind].save(target, ckpt_dir=roots[kind] / f"step_{i}", step=i, meta=meta, on_commit=None)
+            savers[kind].save(target, ckpt_dir=roots[kind] / f"step_{i}", step=i, meta=meta)
             stall = time.perf_counter() - t0
             savers[kind].wait()
             if i:

@@ -40,6 +40,36 @@ def local_rank() -> int:
     return int(os.environ.get("LOCAL_RANK", "0"))
 
 
+def local_world_size() -> int:
+    """The ranks on this host: torchrun's LOCAL_WORLD_SIZE, else every rank of the world (one host).
+
+    Raises:
+        ValueError: LOCAL_WORLD_SIZE is set to something other than a positive whole number.
+    """
+    text = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not text:
+        return world_size()
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={text!r} is not a number of ranks >= 1; torchrun sets it to the ranks on "
+                         "each node: unset it, or set it to that number")
+    return int(text)
+
+
+def group_rank(group: dist.ProcessGroup | None = None, *, of: int | None = None) -> int:
+    """This rank's rank within `group` (None: the default group), or that of the global rank `of`;
+    0 without a process group (a world of one)."""
+    if not dist.is_initialized():
+        return 0
+    if of is None:
+        return dist.get_rank(group)
+    return of if group is None else dist.get_group_rank(group, of)
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """The ranks in `group` (None: the default group); 1 without a process group."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
 def is_main() -> bool:
     return rank() == 0
 

@@ -20,7 +20,8 @@ from faults import fired, kill_mid_write, mid_tensor_bytes  # noqa: E402
 from fsdpkit.checkpoint.errors import CheckpointCorruptError  # noqa: E402
 from fsdpkit.checkpoint.hashing import file_checksum  # noqa: E402
 from fsdpkit.checkpoint.manifest import SEAL, manifest_digest  # noqa: E402
-from fsdpkit.checkpoint.resume import resolve_checkpoint, verify_files  # noqa: E402
+from fsdpkit.checkpoint.resolve import resolve_checkpoint  # noqa: E402
+from fsdpkit.checkpoint.resume import verify_files  # noqa: E402
 from fsdpkit.train.metrics import read_records
 
 pytestmark = pytest.mark.e2e

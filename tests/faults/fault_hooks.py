@@ -98,7 +98,8 @@ def _matches(rank_spec: int | str, rank: int) -> bool:
 # -- shard writes: a SIGKILL or a stall after N bytes of a checkpoint's shard file ----------------
 def _step_of(ckpt_dir: Any) -> int | None:
     """The step a checkpoint directory holds, from its name (step_<N> or step_<N>.incoming)."""
-    from fsdpkit.checkpoint.layout import INCOMING, STEP_DIR
+    from fsdpkit.checkpoint.catalog import STEP_DIR
+    from fsdpkit.checkpoint.layout import INCOMING
 
     found = STEP_DIR.match(str(ckpt_dir.name).removesuffix(INCOMING))
     return int(found.group(1)) if found else None
@@ -293,7 +294,7 @@ def _shard_enospc(save: ModuleType, fault: dict, marker: Marker, patches: Patche
 
 # -- the manifest commit: ENOSPC from its fsync or its rename -------------------------------------
 class _FailingOs:
-    """Stands in for `os` in fsdpkit.checkpoint.storage (the module that commits a manifest by
+    """Stands in for `os` in fsdpkit.checkpoint.storage.local (the module that commits a manifest by
     tmp + fsync + rename): `fsync` of the manifest's temporary file, or its `replace` onto
     manifest.json, fails with ENOSPC when that manifest is step `step`'s. Everything else is `os`."""
 
@@ -390,7 +391,7 @@ KINDS: dict[str, tuple[str, Callable[[ModuleType, dict, Marker, Patches], None]]
     "kill_mid_write": ("fsdpkit.checkpoint.save", _kill_mid_write),
     "stall_mid_write": ("fsdpkit.checkpoint.save", _stall_mid_write),
     "shard_enospc": ("fsdpkit.checkpoint.save", _shard_enospc),
-    "manifest_enospc": ("fsdpkit.checkpoint.storage", _manifest_enospc),
+    "manifest_enospc": ("fsdpkit.checkpoint.storage.local", _manifest_enospc),
     "skip_restore": ("fsdpkit.checkpoint.manager", _skip_restore),
     "raise_at": ("fsdpkit.train.loop", _raise_at),
 }

@@ -46,7 +46,7 @@ from fsdpkit import dist
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.layout import LATEST, MANIFEST
 from fsdpkit.checkpoint.manager import CheckpointGroups
-from fsdpkit.checkpoint.resume import committed_candidates
+from fsdpkit.checkpoint.resolve import committed_candidates
 from fsdpkit.config import compose_config
 from fsdpkit.export.verification import verify_checkpoint
 from fsdpkit.log import LOGGER_NAME

@@ -28,7 +28,8 @@ import torch.distributed as tdist
 
 from fsdpkit import dist
 from fsdpkit.checkpoint.errors import CheckpointMismatchError
-from fsdpkit.checkpoint.manager import CheckpointGroups, find_checkpoint
+from fsdpkit.checkpoint.find import find_checkpoint
+from fsdpkit.checkpoint.manager import CheckpointGroups
 from fsdpkit.config import compose_config
 from fsdpkit.train.determinism import enable_determinism
 from fsdpkit.train.metrics import read_records

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fsdpkit import dist  # noqa: E402
-from fsdpkit.checkpoint.manager import CheckpointGroups, find_checkpoint  # noqa: E402
+from fsdpkit.checkpoint.find import find_checkpoint  # noqa: E402
+from fsdpkit.checkpoint.manager import CheckpointGroups  # noqa: E402
 from fsdpkit.config import compose_config  # noqa: E402
 from fsdpkit.data import GlobalSampler, build_datasets  # noqa: E402
 from fsdpkit.data.datasets import Batch  # noqa: E402

@@ -134,7 +134,7 @@ def test_verify_follows_the_references_and_names_a_damaged_shared_file(run, tmp_
 
 def test_auto_resume_skips_every_checkpoint_whose_shared_file_is_corrupt(run, tmp_path):
     from fsdpkit.checkpoint.frozen import referenced, sweep
-    from fsdpkit.checkpoint.resume import resolve_checkpoint
+    from fsdpkit.checkpoint.resolve import resolve_checkpoint
 
     root = _copy(run, tmp_path)
     base = _base_file(root)

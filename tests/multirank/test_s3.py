@@ -165,7 +165,8 @@ def test_ckpt_tools_read_s3_and_export_equals_the_local_export(runs, tmp_path, c
 
 def test_verify_names_a_corrupt_object_and_a_missing_shard(runs, capsys):
     from fsdpkit.checkpoint.manifest import read_manifest
-    from fsdpkit.checkpoint.resume import committed_candidates, verify_files
+    from fsdpkit.checkpoint.resolve import committed_candidates
+    from fsdpkit.checkpoint.resume import verify_files
     from fsdpkit.checkpoint.storage import open_storage
     from fsdpkit.cli.main import main
 

@@ -145,8 +145,9 @@ def test_hybrid_shard_group_must_divide_world():
 def _schema_classes(cls=Config):
     yield cls
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.default_factory if f.default_factory is not dataclasses.MISSING else None):
-            yield from _schema_classes(f.default_factory)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if dataclasses.is_dataclass(default):
+            yield from _schema_classes(type(default))
 
 
 def test_every_field_is_documented():

@@ -485,7 +485,7 @@ def test_the_safetensors_reader_reads_exactly_what_safe_open_reads_without_mappi
         for name, piece, value in got:
             want = ref.get_tensor(name) if piece is None else ref.get_slice(name)[piece]
             assert value.dtype == want.dtype == tensors[name].dtype and torch.equal(value, want), (name, piece)
-    assert reader._fds == {}  # closed by the context manager
+    assert reader._ranges == {}  # closed by the context manager
     data = path.read_bytes()
     path.write_bytes(data[:-8])  # one tensor's last bytes gone
     with pytest.raises(CheckpointCorruptError, match="truncated or padded"):

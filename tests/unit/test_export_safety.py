@@ -145,10 +145,10 @@ def test_a_junk_latest_is_named_with_what_is_wrong(pristine, tmp_path, content, 
             open_checkpoint(path)
         report = verify_checkpoint(path)
         assert not report["ok"] and report["bad_files"] == ["latest"] and what in report["problems"][0]
-    from fsdpkit.export.locate import LatestPointerError, read_latest  # new with this test
+    from fsdpkit.checkpoint.catalog import LatestPointerError, follow_latest  # new with this test
 
     with pytest.raises(LatestPointerError, match=re.escape(f"{root / 'latest'} {what}")):
-        read_latest(root)
+        follow_latest(root)
 
 
 def test_uncommitted_fsdpkit_directories_are_named_not_verified_as_plain_dcp(pristine, tmp_path):

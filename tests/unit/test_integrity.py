@@ -24,11 +24,13 @@ from fsdpkit.checkpoint import Checkpointer, resume  # noqa: E402
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
 from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, ON_EXCEPTION, swap_in
 from fsdpkit.checkpoint.manifest import SEAL, manifest_digest, read_manifest
-from fsdpkit.checkpoint.ownership import DirectoryLock, claim
-from fsdpkit.checkpoint.resume import committed_candidates, load_checkpoint, resolve_checkpoint
+from fsdpkit.checkpoint.ownership import claim
+from fsdpkit.checkpoint.resolve import committed_candidates, resolve_checkpoint
+from fsdpkit.checkpoint.resume import load_checkpoint
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
+from fsdpkit.checkpoint.storage.local import DirectoryLock
 from fsdpkit.cli.main import main
 
 

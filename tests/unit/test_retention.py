@@ -7,11 +7,11 @@ from pathlib import Path
 
 from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION
 from fsdpkit.checkpoint.manifest import FORMAT, FORMAT_VERSION, write_manifest
-from fsdpkit.checkpoint.retention import Committed, RetentionPolicy, apply_retention, to_keep
+from fsdpkit.checkpoint.retention import Candidate, RetentionPolicy, apply_retention, to_keep
 
 
-def ckpts(metrics: dict[int, float | None]) -> list[Committed]:
-    return [Committed(Path(f"step_{s}"), s, m) for s, m in sorted(metrics.items())]
+def ckpts(metrics: dict[int, float | None]) -> list[Candidate]:
+    return [Candidate(Path(f"step_{s}"), s, m) for s, m in sorted(metrics.items())]
 
 
 def test_rules_combine_and_the_newest_always_survives():

@@ -13,8 +13,9 @@ import uuid
 
 import pytest
 
+from fsdpkit.checkpoint.catalog import publish_latest
 from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.checkpoint.layout import MANIFEST, publish_latest, swap_in
+from fsdpkit.checkpoint.layout import MANIFEST, swap_in
 from fsdpkit.checkpoint.storage import RemotePath, open_storage
 from fsdpkit.checkpoint.storage.object_lock import ObjectLock
 

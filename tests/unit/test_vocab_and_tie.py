@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fsdpkit.checkpoint.embeddings import vocab_and_tie
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest import (
@@ -23,7 +24,6 @@ from fsdpkit.checkpoint.resume import load_checkpoint
 from fsdpkit.checkpoint.save import save_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.hf.vocab_and_tie import check_vocab_and_tie
-from fsdpkit.model.embeddings import vocab_and_tie
 from fsdpkit.model.llama import LlamaArgs, LlamaForCausalLM
 
 transformers = pytest.importorskip("transformers")

@@ -29,6 +29,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,7 @@ from fsdpkit import watchdog
 from fsdpkit.checkpoint.hashing import ROWS
 from fsdpkit.checkpoint.layout import CkptPath
 from fsdpkit.checkpoint.save import FrozenShare, PlanCache, Snapshot, capture, stage_hashing, write_snapshot
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.checkpoint.staging import (
     allocate,
     copy_into,
@@ -50,6 +52,7 @@ from fsdpkit.checkpoint.staging import (
 )
 from fsdpkit.checkpoint.state import CheckpointTarget
 from fsdpkit.checkpoint.storage.mirror import Mirror
+from fsdpkit.dist import group_rank
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -77,13 +80,15 @@ class AsyncSaver:
     """Stages state into a reused host buffer and writes it on one background thread."""
 
     def __init__(self, *, group: tdist.ProcessGroup | None, thread_count: int = 1, background_staging: bool = False,
-                 mirror: Mirror | None = None, plans: PlanCache | None = None, frozen: FrozenShare | None = None):
+                 io: IOSettings | None = None, mirror: Mirror | None = None, plans: PlanCache | None = None,
+                 frozen: FrozenShare | None = None):
         self.group, self.thread_count, self.background_staging = group, thread_count, background_staging
+        self.io = io or IOSettings.from_environment()  # the owning Checkpointer's I/O tunables
         self.mirror = mirror  # the owning Checkpointer's checkpoint.local_dir copy, if any
         self.plans = plans  # the owning Checkpointer's save-plan cache, if any
         self.frozen = frozen  # the owning Checkpointer's shared frozen tensors, if any
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-ckpt")
-        threads = copy_threads()  # a blocking host copy on this many threads (see staging.py)
+        threads = copy_threads(self.io)  # a blocking host copy on this many threads (see staging.py)
         self._copiers = (ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fsdpkit-stage")
                          if threads > 1 else None)
         self._buffer: dict[str, Any] | None = None
@@ -105,8 +110,9 @@ class AsyncSaver:
         return self._pending is not None and self._pending[1].done() and self._pending[1].exception() is not None
 
     def save(self, target: CheckpointTarget, *, ckpt_dir: CkptPath, step: int, meta: dict[str, Any],
-             on_commit=None) -> tuple[SaveResult | None, SaveResult]:
-        """Wait for the save in flight (if any), stage `target`, and start writing it.
+             then: Callable[[], None] | None = None) -> tuple[SaveResult | None, SaveResult]:
+        """Wait for the save in flight (if any), stage `target`, and start writing it; `then` runs on
+        the background thread once it is committed (the caller's policy after a commit: retention).
 
         Returns: (the previous save's result, if one had to be waited for; the new, running save).
         Raises: CheckpointSaveError if the previous save failed (nothing new is started then).
@@ -119,7 +125,7 @@ class AsyncSaver:
                          self._pending[0].step)
             previous = self.wait()
         t_waited = time.perf_counter()
-        rank = tdist.get_rank(self.group) if tdist.is_initialized() else 0
+        rank = group_rank(self.group)
         live = capture(target, step=step, meta=meta, rank=rank)
         if self.frozen is not None:  # before staging: frozen tensors are neither copied nor written while unchanged
             # the write checksums the host copy (save.stage_hashing or _write_and_hash): the row hash
@@ -148,11 +154,13 @@ class AsyncSaver:
                 if background:
                     try:
                         with torch.no_grad():  # the tensor checksums come from the copy's own pass
-                            staged.shares = stage_hashing(live.state, staged.state, group=self.group)
+                            staged.shares = stage_hashing(live.state, staged.state, group=self.group, io=self.io)
                     finally:
                         copied.set()  # an error is raised by wait(); the loop must not hang on it
                 manifest = write_snapshot(staged, ckpt_dir=ckpt_dir, group=self.group, thread_count=self.thread_count,
-                                          on_commit=on_commit, mirror=self.mirror, plans=self.plans)
+                                          io=self.io, mirror=self.mirror, plans=self.plans)
+                if then is not None:
+                    then()
             finally:
                 watchdog.doing(None, slot=watchdog.BACKGROUND)
             result.background_s = time.perf_counter() - t_bg

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.layout import ARCHIVE, MANIFEST, CkptPath
-from fsdpkit.checkpoint.storage import remove_tree
+from fsdpkit.checkpoint.storage import open_storage
 
 if TYPE_CHECKING:
     from fsdpkit.checkpoint.state import CheckpointTarget
@@ -127,12 +127,10 @@ def referenced(root: CkptPath) -> set[str]:
         CheckpointError: a manifest that exists cannot be read or parsed: what it names is unknown,
             so nothing may be removed.
     """
-    dirs = [p for p in root.iterdir() if p.is_dir() and p.name != SHARED] if root.is_dir() else []
-    archive = root / ARCHIVE
-    if archive.is_dir():
-        dirs += [p for stamp in archive.iterdir() if stamp.is_dir() for p in stamp.iterdir() if p.is_dir()]
+    from fsdpkit.checkpoint import catalog  # here: catalog reads manifests, and manifest.py imports this module
+
     names: set[str] = set()
-    for path in dirs:
+    for path in catalog.every_dir(root, besides=(SHARED,)):
         try:
             manifest = json.loads((path / MANIFEST).read_bytes())
         except FileNotFoundError:
@@ -151,6 +149,7 @@ def sweep(root: CkptPath, *, run_id: str, in_use: str | None) -> list[str]:
     """Rank 0, after retention: remove this run's shared directories that no manifest under
     `root` references any more (superseded frozen tensors, or an interrupted first save), except
     `in_use`. Another run's are never touched. Returns what was removed."""
+    root = open_storage(root)
     shared = root / SHARED
     ours = [p for p in shared.iterdir() if p.name.startswith(f"{run_id}-") and f"{SHARED}/{p.name}" != in_use] \
         if shared.is_dir() else []
@@ -161,7 +160,7 @@ def sweep(root: CkptPath, *, run_id: str, in_use: str | None) -> list[str]:
     for path in ours:
         name = f"{SHARED}/{path.name}"
         if name not in keep:
-            remove_tree(path)
+            path.remove_tree()
             removed.append(name)
     if removed:
         log.info("retention: removed %s (no checkpoint references them)", ", ".join(removed))

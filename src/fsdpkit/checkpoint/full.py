@@ -27,7 +27,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.checkpoint.state import CheckpointTarget, capture_rng
+from fsdpkit.dist import group_size
 
 MODEL_FILE, OPTIM_FILE, RNG_FILE = "model.safetensors", "optimizer.safetensors", "rng.safetensors"
 GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -45,15 +47,16 @@ def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     save_file(out, str(path))
 
 
-def write_full(target: CheckpointTarget, ckpt_dir: Path, *, rank: int,
-               group: tdist.ProcessGroup | None) -> dict[str, Any]:
-    """Gather and write; collective. Returns (on rank 0) the manifest's `files` and param groups."""
+def write_full(target: CheckpointTarget, ckpt_dir: Path, *, rank: int, group: tdist.ProcessGroup | None,
+               io: IOSettings | None = None) -> dict[str, Any]:
+    """Gather and write; collective. Returns (on rank 0) the manifest's `files` and param groups
+    (the files' checksums read back with `io`, default the environment's)."""
     if target.optimizer is not None:
         model_sd, optim_sd = get_state_dict(target.model, target.optimizer, options=GATHER)
     else:  # an EMA copy, a frozen teacher: the model and the RNG only
         model_sd, optim_sd = get_model_state_dict(target.model, options=GATHER), None
     rng = capture_rng()
-    everyone = [None] * (tdist.get_world_size(group) if tdist.is_initialized() else 1)
+    everyone = [None] * group_size(group)
     if tdist.is_initialized():
         tdist.all_gather_object(everyone, rng, group=group)
     else:
@@ -67,7 +70,7 @@ def write_full(target: CheckpointTarget, ckpt_dir: Path, *, rank: int,
     _save({f"rank{r}.{k}": v for r, state in enumerate(everyone) for k, v in state.items()}, ckpt_dir / RNG_FILE)
     files = {}
     for name in (MODEL_FILE, OPTIM_FILE, RNG_FILE) if optim_sd is not None else (MODEL_FILE, RNG_FILE):
-        size, digest = file_checksum(ckpt_dir / name)
+        size, digest = file_checksum(ckpt_dir / name, io=io)
         files[name] = {"size": size, HASH_NAME: digest}
     return {"files": files, "optimizer_param_groups": optim_sd["param_groups"] if optim_sd is not None else []}
 

@@ -22,6 +22,7 @@ which rows and of summation order, and any changed, missing or moved part change
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,9 +36,10 @@ from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemBase
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from fsdpkit import tunables
-from fsdpkit.checkpoint.io.page_cache import SequentialReader
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.checkpoint.staging import copy_host, local_part
+from fsdpkit.checkpoint.storage import StoragePath, open_storage
+from fsdpkit.dist import group_rank, group_size
 
 HASH_NAME = "xxh3_64"
 ROWS, LINEAR = "xxh3_64-rows", "linear"  # tensor hash algorithms (see above)
@@ -53,9 +55,14 @@ _native_rows_sum = getattr(_rowhash, "rows_sum", None)
 _native_copy_rows_sum = getattr(_rowhash, "copy_rows_sum", None)  # absent from a build older than it: copy, then hash
 
 
-def native_row_hash() -> bool:
-    """Whether `xxh3_64-rows` runs in the C extension: it was built, and FSDPKIT_PYTHON_ROW_HASH is not 1."""
-    return _native_rows_sum is not None and not tunables.current().python_row_hash
+def _io(io: IOSettings | None) -> IOSettings:
+    return IOSettings.from_environment() if io is None else io
+
+
+def native_row_hash(io: IOSettings | None = None) -> bool:
+    """Whether `xxh3_64-rows` runs in the C extension: it was built, and `io.python_row_hash` (default:
+    the environment's, FSDPKIT_PYTHON_ROW_HASH) is off."""
+    return _native_rows_sum is not None and not _io(io).python_row_hash
 
 
 def name_the_file(exc: OSError, path: Any) -> OSError:
@@ -210,14 +217,15 @@ def zip_crc32_off() -> Iterator[None]:
                 torch.serialization.set_crc32_options(_crc_before)
 
 
-def file_checksum(path: Path) -> tuple[int, str]:
-    """(size, xxh3-64 hex digest) of a file: a local one (Path) read with SequentialReader, any
-    other (an object-store path) through its own `open`."""
+def file_checksum(path: str | os.PathLike | StoragePath, *, io: IOSettings | None = None) -> tuple[int, str]:
+    """(size, xxh3-64 hex digest) of a file, read once from start to end as its storage reads best
+    (StoragePath.open_sequential: a local file through io/page_cache.py). `io`: default, the
+    environment's."""
     h, size = xxhash.xxh3_64(), 0
     # One buffer, read into again and again: an anonymous mapping of its own. A bytearray comes from a
     # malloc arena once glibc has raised its mmap threshold (in a process that freed large blocks, such
     # as torch.load's storages), and reads into it took 2-3x the kernel time (profiled).
-    source = SequentialReader(path) if isinstance(path, Path) else path.open("rb")
+    source = open_storage(path).open_sequential(_io(io))
     with source as f, mmap.mmap(-1, READ_CHUNK_BYTES) as buf:
         view = memoryview(buf)
         try:
@@ -239,11 +247,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(as_int).to(torch.int64) if t.dtype != as_int else t.to(torch.int64)
 
 
-def _partial_hash(local: torch.Tensor, first_index: int) -> int:
-    """Sum over local elements of bits * (2 * global_index + 1) * golden, mod 2**64 (int64 wraps)."""
+def _partial_hash(local: torch.Tensor, first_index: int, *, chunk_elems: int) -> int:
+    """Sum over local elements of bits * (2 * global_index + 1) * golden, mod 2**64 (int64 wraps),
+    `chunk_elems` elements at a time (bounds the memory of the products; the sum is the same)."""
     flat = local.detach().contiguous().reshape(-1)
     total = torch.zeros((), dtype=torch.int64, device=flat.device)
-    step = tunables.current().hash_chunk_elems  # bounds the memory of the products; the sum is the same
+    step = chunk_elems
     for start in range(0, flat.numel(), step):
         chunk = _bits(flat[start : start + step])
         first = first_index + start
@@ -288,19 +297,21 @@ def _rows_hash(local: torch.Tensor, first_row: int, *, native: bool | None = Non
     return total - (1 << 64) if total >= 1 << 63 else total
 
 
-def hash_part(local: torch.Tensor, *, first_row: int, algorithm: str, copy_to: torch.Tensor | None = None) -> int:
+def hash_part(local: torch.Tensor, *, first_row: int, algorithm: str, copy_to: torch.Tensor | None = None,
+              io: IOSettings | None = None) -> int:
     """This part's share of its tensor's checksum. With `copy_to` (a tensor of the part's shape and
     dtype), the part is also copied there, in the same pass over memory where the C row hash does
     both (its copy bypasses the CPU cache: a staging copy that checksums costs about what the copy
-    alone does)."""
+    alone does). `io`: python_row_hash and hash_chunk_elems (default: the environment's)."""
+    io = _io(io)
     if algorithm == ROWS and local.dim() >= 2:
-        return _rows_hash(local, first_row, copy_to=copy_to)
+        return _rows_hash(local, first_row, copy_to=copy_to, native=native_row_hash(io))
     if algorithm not in (ROWS, LINEAR):
         raise ValueError(f"unknown tensor hash algorithm {algorithm!r} (known: {ROWS}, {LINEAR})")
     if copy_to is not None:
         copy_host(copy_to, local)
     row_elems = local[0].numel() if local.dim() and local.shape[0] else 0
-    return _partial_hash(local, first_row * row_elems if local.dim() else 0)
+    return _partial_hash(local, first_row * row_elems if local.dim() else 0, chunk_elems=io.hash_chunk_elems)
 
 
 def hash_algorithm_for(tensors: dict[str, torch.Tensor]) -> str:
@@ -308,17 +319,13 @@ def hash_algorithm_for(tensors: dict[str, torch.Tensor]) -> str:
     return LINEAR if any(t.device.type != "cpu" for t in tensors.values()) else ROWS
 
 
-def _rank(group: tdist.ProcessGroup | None) -> int:
-    return tdist.get_rank(group) if tdist.is_initialized() else 0
-
-
 def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algorithm: str,
-                        copy_to: torch.Tensor | None = None) -> int:
+                        copy_to: torch.Tensor | None, io: IOSettings) -> int:
     """This rank's share of the hash; replicas (of plain tensors or Replicate dims) count once.
     `copy_to` (same kind of tensor as `t`): `t`'s local part is copied there in any case."""
     mine = True
     if not isinstance(t, DTensor):
-        mine, first_row = _rank(group) == 0, 0
+        mine, first_row = group_rank(group) == 0, 0
     else:
         coord = t.device_mesh.get_coordinate()
         if coord is None or any(isinstance(p, Replicate) and c != 0 for p, c in zip(t.placements, coord, strict=True)):
@@ -333,16 +340,18 @@ def _local_contribution(t: torch.Tensor, group: tdist.ProcessGroup | None, algor
         if out is not None:
             copy_host(out, local)
         return 0
-    return hash_part(local, first_row=first_row, algorithm=algorithm, copy_to=out)
+    return hash_part(local, first_row=first_row, algorithm=algorithm, copy_to=out, io=io)
 
 
 def local_contributions(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None,
-                        algorithm: str = ROWS, copy_to: dict[str, torch.Tensor] | None = None) -> dict[str, int]:
+                        algorithm: str = ROWS, copy_to: dict[str, torch.Tensor] | None = None,
+                        io: IOSettings | None = None) -> dict[str, int]:
     """This rank's share of every tensor's checksum (no collective: it may run on a worker thread
     while the files are written; `reduce_contributions` then sums the shares over ranks). With
     `copy_to` (the same keys: tensors shaped like these), each tensor is also copied into its
-    counterpart, in the same pass where hash_part allows."""
-    return {k: _local_contribution(tensors[k], group, algorithm, None if copy_to is None else copy_to[k])
+    counterpart, in the same pass where hash_part allows. `io`: as hash_part's."""
+    io = _io(io)
+    return {k: _local_contribution(tensors[k], group, algorithm, None if copy_to is None else copy_to[k], io)
             for k in sorted(tensors)}
 
 
@@ -350,13 +359,14 @@ def reduce_contributions(local: dict[str, int], *, group: tdist.ProcessGroup | N
     """Hex checksums from every rank's `local_contributions` (collective over `group`)."""
     keys = sorted(local)
     vec = torch.tensor([local[k] for k in keys], dtype=torch.int64)
-    if tdist.is_initialized() and tdist.get_world_size(group) > 1:
+    if group_size(group) > 1:
         tdist.all_reduce(vec, group=group)  # integer sum: wraps mod 2**64, exact in any order
     return {k: f"{int(v) & 0xFFFFFFFFFFFFFFFF:016x}" for k, v in zip(keys, vec.tolist(), strict=True)}
 
 
 def tensor_hashes(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None,
-                  algorithm: str = ROWS) -> dict[str, str]:
+                  algorithm: str = ROWS, io: IOSettings | None = None) -> dict[str, str]:
     """World-size-independent hex checksums of tensors that every rank holds (as DTensor shards
-    or as replicated plain tensors). Collective over `group`: every rank calls it, same keys."""
-    return reduce_contributions(local_contributions(tensors, group=group, algorithm=algorithm), group=group)
+    or as replicated plain tensors). Collective over `group`: every rank calls it, same keys.
+    `io`: as hash_part's."""
+    return reduce_contributions(local_contributions(tensors, group=group, algorithm=algorithm, io=io), group=group)

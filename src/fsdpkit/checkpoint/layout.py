@@ -1,4 +1,4 @@
-"""On-disk layout and the atomic-commit primitives.
+"""On-disk layout: the names of a checkpoints root, and the moves of whole checkpoints.
 
     <run_dir>/checkpoints/
         step_<N>/            DCP files (*.distcp, .metadata) + manifest.json (the commit marker)
@@ -15,17 +15,16 @@ A directory without a readable manifest.json is never a checkpoint. The manifest
 one rank after every rank finished writing: temporary name, fsync, rename, fsync of the directory.
 `latest` moves the same way, after the manifest. On object storage (storage/) the same names are
 key prefixes; the manifest and `latest` are each one PUT, after every shard object is uploaded.
+Which of these directories are committed checkpoints, and `latest` itself: catalog.py.
 """
 
 from __future__ import annotations
 
-import re
 from datetime import UTC, datetime
-from pathlib import Path
 
-from fsdpkit.checkpoint.storage import RemotePath, move_tree, remove_tree, write_atomic
+from fsdpkit.checkpoint.storage import StoragePath, open_storage
 
-CkptPath = Path | RemotePath  # a local directory or an object-store prefix (see storage/__init__.py)
+CkptPath = StoragePath  # a local directory or an object-store prefix (see storage/protocol.py)
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -33,30 +32,12 @@ LATEST = "latest"
 ON_EXCEPTION = "on_exception"
 ARCHIVE = "archive"
 INCOMING = ".incoming"
-REPLACED = ".replaced"
-STEP_DIR = re.compile(r"^step_(\d+)$")
-CHECKPOINT_NAME = re.compile(r"^(step_\d+|on_exception)(\.incoming)?$")
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step}"
-
-
-def publish_latest(ckpt_dir: CkptPath) -> None:
-    write_atomic(ckpt_dir.parent / LATEST, ckpt_dir.name + "\n")
 
 
 def remove_checkpoint(path: CkptPath) -> None:
     """Delete a checkpoint directory, its manifest first: from then on it is no checkpoint, even if
     the removal of the rest is interrupted."""
-    remove_tree(path, first=MANIFEST)
-
-
-def candidate_dirs(ckpt_root: CkptPath) -> list[CkptPath]:
-    """Checkpoint-shaped directories (step_<N>, on_exception, and either's .incoming), committed or not."""
-    if not ckpt_root.is_dir():
-        return []
-    return [p for p in ckpt_root.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name)]
+    open_storage(path).remove_tree(first=MANIFEST)
 
 
 def utc_stamp() -> str:
@@ -65,25 +46,14 @@ def utc_stamp() -> str:
 
 def move_aside(path: CkptPath, label: str) -> CkptPath:
     """Rename `path` to `<name>.<label>-<UTC time>` beside it (never deleted); returns the new path."""
+    path = open_storage(path)
     new = path.with_name(f"{path.name}.{label}-{utc_stamp()}")
-    move_tree(path, new, last=MANIFEST)
+    path.move_to(new, last=MANIFEST)
     return new
 
 
 def swap_in(incoming: CkptPath, final: CkptPath) -> None:
     """Make the committed `incoming` the checkpoint at `final`; the one it replaces is deleted
     only after the new one is in place. A crash in between leaves `incoming` (a committed
-    candidate, see CHECKPOINT_NAME) or `final` in place: never neither. On object storage the
-    old `final` is removed (manifest first) and `incoming` copied in (manifest last), so the
-    committed `incoming` is the checkpoint until the copy is committed."""
-    if isinstance(final, RemotePath):
-        remove_checkpoint(final)
-        move_tree(incoming, final, last=MANIFEST)
-        return
-    replaced = final.with_name(final.name + REPLACED)
-    if final.exists():
-        if replaced.exists():
-            remove_tree(replaced)  # the predecessor of an earlier swap that was interrupted
-        move_tree(final, replaced)
-    move_tree(incoming, final)
-    remove_tree(replaced)
+    candidate, see catalog.CHECKPOINT_NAME) or `final` in place: never neither (StoragePath.replace_with)."""
+    open_storage(final).replace_with(open_storage(incoming), marker=MANIFEST)

@@ -11,24 +11,26 @@ exactly this class).
     ckpt.close()                              # waits for the last save
 
 The constructor and resume/step/save/close/on_exception are collective: every rank calls them, at
-the same point (each method's docstring says). Keyword arguments are the `checkpoint.*` settings of
-the trainer (see the config reference, `fsdpkit config docs`); the defaults are the same.
+the same point (each method's docstring says). Its settings are a `CheckpointConfig` (settings.py:
+the trainer's `checkpoint.*` group, see `fsdpkit config docs`), given whole (`settings=`) or as
+keyword arguments, and an `IOSettings` (`io_settings=`; default: the FSDPKIT_* environment).
 
-Everything a Checkpointer uses belongs to it: its settings (`cfg`), its storage options (they travel
-with `root`, see storage/__init__.py), its local mirror (`mirror`, see storage/mirror.py), its process groups and
-its retention. Two Checkpointers in one process (a model and its EMA, a teacher and a student)
-share nothing; a preemption signal, which reaches the process, is passed to both (preemption.py).
+Everything a Checkpointer uses belongs to it: its settings (`cfg`, `io`), its storage options (they
+travel with `root`, see storage/__init__.py), its local mirror (`mirror`, see storage/mirror.py),
+its process groups and its retention, which it applies after each commit (retention.py). Two
+Checkpointers in one process (a model and its EMA, a teacher and a student) share nothing; a
+preemption signal, which reaches the process, is passed to both (preemption.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -36,28 +38,28 @@ import torch.distributed as tdist
 from torch import nn
 
 from fsdpkit.checkpoint.async_save import AsyncSaver, SaveResult
+from fsdpkit.checkpoint.catalog import step_dir_name
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointSaveError
+from fsdpkit.checkpoint.find import Found, find_checkpoint
 from fsdpkit.checkpoint.frozen import adoptable, sweep
-from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, CkptPath, step_dir_name
+from fsdpkit.checkpoint.layout import MANIFEST, ON_EXCEPTION, CkptPath
 from fsdpkit.checkpoint.manifest import model_fingerprint, optimizer_summary, read_manifest
-from fsdpkit.checkpoint.ownership import DirectoryLock, claim, lock_for, new_run_id
+from fsdpkit.checkpoint.ownership import claim, new_run_id
 from fsdpkit.checkpoint.preemption import EXIT_PREEMPTED, PreemptionHandler
-from fsdpkit.checkpoint.resume import LoadReport, load_checkpoint, resolve_checkpoint, set_aside
+from fsdpkit.checkpoint.resolve import resolve_checkpoint, set_aside
+from fsdpkit.checkpoint.resume import LoadReport, load_checkpoint
 from fsdpkit.checkpoint.retention import RetentionPolicy, apply_retention
 from fsdpkit.checkpoint.save import FrozenShare, PlanCache, save_checkpoint
+from fsdpkit.checkpoint.settings import CheckpointConfig, IOSettings, refuse_removed, validate_checkpoint
 from fsdpkit.checkpoint.state import CheckpointTarget, as_stateful, capture_rng, restore_rng
-from fsdpkit.checkpoint.storage import is_url, open_storage
+from fsdpkit.checkpoint.storage import Lock, open_storage
 from fsdpkit.checkpoint.storage.mirror import Mirror
-from fsdpkit.checkpoint.storage.object_lock import ObjectLock
-from fsdpkit.config import validate_checkpoint
-from fsdpkit.config.compose import refuse_removed
-from fsdpkit.config.schema import CheckpointConfig
-from fsdpkit.dist import on_main
+from fsdpkit.dist import group_rank, on_main
 
 log = logging.getLogger("fsdpkit.checkpoint")
 METRICS_IN_MANIFEST = ("loss", "val_loss", "grad_norm")
 _LAST_STEP = object()  # on_exception's default boundary: the last step passed to step()
-__all__ = ["EXIT_PREEMPTED", "CheckpointGroups", "Checkpointer", "Resumed", "find_checkpoint"]
+__all__ = ["EXIT_PREEMPTED", "CheckpointGroups", "Checkpointer", "Resumed"]
 
 
 def _gloo_group(timeout_s: float) -> tdist.ProcessGroup | None:
@@ -106,65 +108,6 @@ class Resumed:
         return out
 
 
-@dataclass
-class Found:
-    """What `find_checkpoint` found: the checkpoint to resume from (None: start fresh) and rank 0's
-    lock on the directory, handed on to the Checkpointer."""
-
-    path: CkptPath | None
-    lock: DirectoryLock | ObjectLock | None
-    verify_while_loading: bool = False  # its checksums are still to check, by the load (resume.load_checkpoint)
-    mirror_of: CkptPath | None = None  # `path` is checkpoint.local_dir's copy of this remote checkpoint
-
-
-def find_checkpoint(cfg: CheckpointConfig, *, group: tdist.ProcessGroup | None) -> Found:
-    """Collective: lock `cfg.dir` (rank 0) and resolve `cfg.resume` (the newest committed, complete
-    checkpoint; with `verify_checksums` its checksums are checked by `Checkpointer.resume`, as the load
-    reads it (resume.load_checkpoint); on object storage resolution checks its files in a pass).
-    A loop that wants to know before building its model whether it will resume (to skip random init)
-    calls this, then `Checkpointer.resume(found)`.
-    With `local_dir`, the local copy of the resolved checkpoint replaces it when it matches (storage/mirror.py)."""
-    held: list[DirectoryLock | ObjectLock] = []
-    root = open_storage(cfg.dir, cfg.storage_options)
-    remote = is_url(cfg.dir) or is_url(cfg.resume)
-    mirror = Mirror.open(cfg.local_dir, root=root)
-
-    def acquire() -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        held.append(lock_for(root).acquire())
-
-    on_main(acquire, group=group, errors=(CheckpointError, OSError))
-    lock = held[0] if held else None
-    try:
-        # with a mirror, the remote copy's checksums are streamed only when the mirror is not used
-        path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group, storage_options=cfg.storage_options,
-                                  verify_checksums=cfg.verify_checksums and remote and mirror is None)
-        local = _agreed_mirror(path, mirror, group=group) if mirror is not None and path is not None else None
-        if local is not None:
-            return Found(path=local, lock=lock, verify_while_loading=cfg.verify_checksums, mirror_of=path)
-        if mirror is not None and cfg.verify_checksums and path is not None:
-            path = resolve_checkpoint(cfg.resume, ckpt_root=root, group=group, storage_options=cfg.storage_options,
-                                      verify_checksums=True)
-    except BaseException:
-        if lock is not None:
-            lock.release()
-        raise
-    return Found(path=path, lock=lock, verify_while_loading=cfg.verify_checksums and path is not None and not remote)
-
-
-def _agreed_mirror(remote: CkptPath, mirror: Mirror, *, group: tdist.ProcessGroup | None) -> Path | None:
-    """Collective: the local copy of `remote` every rank reads instead (rank 0 decides: the mirror
-    is one node's, every rank sees the same directory), or None."""
-    def decide() -> str | None:
-        local, why = mirror.usable(remote)
-        log.info("checkpoint.local_dir: %s %s (%s)", "reading" if local else "not reading",
-                 local or "the local copy", why)
-        return None if local is None else str(local)
-
-    chosen = on_main(decide, group=group, errors=(OSError,))
-    return None if chosen is None else Path(chosen)
-
-
 class Checkpointer:
     """Sharded, checksummed, atomically committed checkpoints of `model`, `optimizer`, `scheduler`
     and any `state` (dicts or Stateful objects, the same on every rank: a data loader's position,
@@ -190,38 +133,36 @@ class Checkpointer:
         mesh: the device mesh's description, recorded in the manifest.
         on_event: called with every `{"event": "checkpoint" | "resume", ...}` record.
         groups: gloo groups to use (default: created here, collectively).
-        **settings: the `checkpoint.*` settings (every_steps, every_minutes, save_at_end, resume,
-            resume_mode, existing, async_save, async_staging, keep_last, keep_every, keep_best, keep_best_metric,
-            keep_best_mode, verify_checksums, verify_on_load, timeout_s, exception_timeout_s,
-            thread_count, share_frozen, on_exception, preemption_signals, storage_options, local_dir), plus
-            state_dict_type (sharded|full). They are this instance's alone: `storage_options` open
-            its `dir` (and a `resume` URL), `local_dir` is its own mirror.
+        state_dict_type: `sharded` (DCP, every rank writes its shards) or `full` (rank 0 writes safetensors).
+        settings: the settings (a `CheckpointConfig`; its `dir` is replaced by `dir`). Default: the
+            defaults, with the keyword `**overrides`.
+        io_settings: the I/O tunables (default: `IOSettings.from_environment()`, the FSDPKIT_* variables).
+        optimizer_steps: every step passed to `step()` and `save()` is the number of optimizer
+            updates made so far (true of fsdpkit's trainer): a load with verify_on_load then also
+            checks the optimizer's step counts against the checkpoint's step.
+        **overrides: `CheckpointConfig` fields by name, over `settings` (every_steps, every_minutes,
+            save_at_end, resume, resume_mode, existing, async_save, async_staging, keep_last,
+            keep_every, keep_best, keep_best_metric, keep_best_mode, verify_checksums, verify_on_load,
+            timeout_s, exception_timeout_s, thread_count, share_frozen, on_exception, preemption_signals,
+            storage_options, local_dir). They are this instance's alone: `storage_options` open its
+            `dir` (and a `resume` URL), `local_dir` is its own mirror.
     Raises:
         ValueError: a setting is out of range (the message names it).
+        TypeError: an override that is no setting.
     """
 
     def __init__(self, dir: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  scheduler: Any = None, state: dict[str, Any] | None = None, config: dict[str, Any] | None = None,
                  sharding: dict[str, Any] | None = None, mesh: dict[str, Any] | None = None,
                  on_event: Callable[[dict[str, Any]], None] | None = None, groups: CheckpointGroups | None = None,
-                 state_dict_type: str = "sharded", **settings: Any):
-        known = {f.name for f in fields(CheckpointConfig)} - {"dir"}
-        for name in settings.keys() - known:
-            refuse_removed(f"checkpoint.{name}", fix=f"leave {name}= out of Checkpointer(...)")
-        if unknown := sorted(settings.keys() - known):
-            raise TypeError(f"Checkpointer got unknown setting(s) {unknown}; known: {sorted(known)}")
-        if "preemption_signals" in settings:
-            settings["preemption_signals"] = list(settings["preemption_signals"])
-        self.cfg = CheckpointConfig(dir=str(dir), **settings)
-        validate_checkpoint(self.cfg, state_dict_type=state_dict_type)
+                 state_dict_type: str = "sharded", settings: CheckpointConfig | None = None,
+                 io_settings: IOSettings | None = None, optimizer_steps: bool = False, **overrides: Any):
+        self.cfg = _settings(dir, settings, overrides, state_dict_type=state_dict_type)
+        self.io = io_settings or IOSettings.from_environment()
         self.root = open_storage(self.cfg.dir, self.cfg.storage_options)  # a RemotePath keeps the options
         self.mirror = Mirror.open(self.cfg.local_dir, root=self.root)  # None without checkpoint.local_dir
-        stateful = {"scheduler": as_stateful(scheduler, name="scheduler")} if scheduler is not None else {}
-        for name, obj in (state or {}).items():
-            if name in stateful:
-                raise ValueError(f"checkpoint state {name!r} is taken by the scheduler; choose another name")
-            stateful[name] = as_stateful(obj, name=name)
-        self.target = CheckpointTarget(model=model, optimizer=optimizer, stateful=stateful)
+        self.target = CheckpointTarget(model=model, optimizer=optimizer, stateful=_stateful(scheduler, state))
+        self.optimizer_steps = optimizer_steps
         self.groups = groups if groups is not None else CheckpointGroups.create(self.cfg)
         several_ranks = tdist.is_initialized() and tdist.get_world_size() > 1
         if self.cfg.async_save and self.groups.background is None and several_ranks:
@@ -242,7 +183,7 @@ class Checkpointer:
         self.run_id: str | None = None  # set by resume(): this run's, or the resumed run's
         self.resumed: Resumed | None = None  # what resume() loaded, if it loaded a checkpoint
         self.last_saved_step: int | None = None
-        self.lock: DirectoryLock | ObjectLock | None = None
+        self.lock: Lock | None = None
         self._last_step: int | None = None
         self._last_save_t = time.monotonic()
         self._fingerprint: dict[str, Any] | None = None
@@ -251,18 +192,17 @@ class Checkpointer:
         self._plans = PlanCache()
         # frozen weights written once (frozen.py); a mirror copies checkpoint directories alone
         shares = c.share_frozen and self.mirror is None and state_dict_type == "sharded"
-        self._frozen = FrozenShare(self.root) if shares else None
-        self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, mirror=self.mirror,
-                                  background_staging=c.async_staging == "background", plans=self._plans,
-                                  frozen=self._frozen)
+        self._frozen = FrozenShare(self.root, io=self.io) if shares else None
+        self._async = (AsyncSaver(group=self.groups.background, thread_count=c.thread_count, io=self.io,
+                                  mirror=self.mirror, background_staging=c.async_staging == "background",
+                                  plans=self._plans, frozen=self._frozen)
                        if c.async_save else None)
 
     @classmethod
     def from_config(cls, cfg: CheckpointConfig, **kwargs: Any) -> Checkpointer:
-        """A Checkpointer with the settings of a `checkpoint.*` config (fsdpkit's trainer).
-        Collective, as the constructor."""
-        settings = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name != "dir"}
-        return cls(cfg.dir, **settings, **kwargs)
+        """A Checkpointer with the settings `cfg` (fsdpkit's trainer: its `checkpoint.*` config), in
+        `cfg.dir`. Collective, as the constructor."""
+        return cls(cfg.dir, settings=cfg, **kwargs)
 
     def __enter__(self) -> Checkpointer:
         """Not collective: returns the Checkpointer."""
@@ -293,7 +233,7 @@ class Checkpointer:
                 corrupt, or the checkpoint does not fit the model or the optimizer (a
                 CheckpointMismatchError; the message says what to do).
         """
-        found = found or find_checkpoint(self.cfg, group=self.group)
+        found = found or find_checkpoint(self.cfg, group=self.group, io_settings=self.io)
         self.lock = found.lock
         self._mirror_of = (found.path, found.mirror_of) if found.mirror_of is not None else None
         try:
@@ -362,7 +302,7 @@ class Checkpointer:
                     errors=(CheckpointError, OSError))
             restore_rng(fresh_rng)
             older = resolve_checkpoint("auto", ckpt_root=self.root, group=self.group, verify_checksums=False,
-                                       skip=tried)
+                                       skip=tried, io=self.io)
             if older is None:
                 raise CheckpointCorruptError(
                     f"{why}\n{', '.join(tried)} {'was' if len(tried) == 1 else 'were'} moved aside and no older "
@@ -375,7 +315,8 @@ class Checkpointer:
     def _load(self, path: CkptPath, *, verify_files: bool = False) -> LoadReport:
         model_only = self.cfg.resume_mode == "model_only"
         report = load_checkpoint(self.target, path, fingerprint=self.fingerprint(), group=self.group,
-                                 model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files)
+                                 model_only=model_only, verify=self.cfg.verify_on_load, verify_files=verify_files,
+                                 optimizer_steps=self.optimizer_steps, io=self.io)
         manifest = report.manifest
         what = "model weights only (optimizer, schedule, counters and data start fresh)" if model_only else "full state"
         checked = ("restored state not verified (checkpoint.verify_on_load=false)" if report.verify_s is None
@@ -462,7 +403,7 @@ class Checkpointer:
         self._last_save_t = time.monotonic()
         if self._async is not None:
             previous, running = self._async.save(self.target, ckpt_dir=path, step=step, meta=meta,
-                                                 on_commit=self._retain)
+                                                 then=lambda: self._after_commit(path))
             running.reason, running.stall_s = reason, time.perf_counter() - t0  # the loop's whole wait
             if previous is not None:
                 self._report(previous)
@@ -471,8 +412,8 @@ class Checkpointer:
         else:
             manifest = save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
                                        thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
-                                       on_commit=self._retain, mirror=self.mirror, plans=self._plans,
-                                       frozen=self._frozen)
+                                       io=self.io, mirror=self.mirror, plans=self._plans, frozen=self._frozen)
+            self._after_commit(path)
             stall = time.perf_counter() - t0
             self._report(SaveResult(step=step, path=path, mode="sync", reason=reason, stall_s=stall, manifest=manifest))
         self.last_saved_step = step
@@ -525,7 +466,7 @@ class Checkpointer:
                 log.error("not saving on_exception: no step completed before %s", type(error).__name__)
                 return
             boundary_step = self._last_step
-        rank = tdist.get_rank() if tdist.is_initialized() else 0
+        rank = group_rank()
         log.error("rank %d: training failed with %s: %s; checking whether every rank can save on_exception",
                   rank, type(error).__name__, error)
         try:
@@ -548,7 +489,7 @@ class Checkpointer:
             meta = self._meta(step, None) | {"reason": "exception", "exception": f"{type(error).__name__}: {error}"}
             save_checkpoint(self.target, ckpt_dir=path, step=step, meta=meta, group=self.group,
                             thread_count=self.cfg.thread_count, state_dict_type=self.state_dict_type,
-                            mirror=self.mirror)
+                            io=self.io, mirror=self.mirror)
             log.error("saved the state at step %d to %s; the original error follows", step, path)
         except Exception as e:  # noqa: BLE001
             log.error("saving on_exception failed (%s); the original error follows", e)
@@ -563,8 +504,12 @@ class Checkpointer:
             "metrics": {k: metrics[k] for k in METRICS_IN_MANIFEST if metrics and k in metrics},
         }
 
-    def _retain(self, committed: CkptPath) -> None:
-        """Rank 0, right after a commit (on the save's own thread)."""
+    def _after_commit(self, committed: CkptPath) -> None:
+        """Policy after a commit, on the save's own thread, every rank calling it (rank 0 acts):
+        retention (retention.py), then the shared frozen tensors no checkpoint references, then the
+        local mirror (storage/mirror.py). Nothing here fails the save that committed."""
+        if group_rank(self.group) != 0:
+            return
         try:
             apply_retention(self.root, self.retention, run_id=self.run_id, just_committed=committed)
             if self._frozen is not None and self.retention.active and self.run_id is not None:
@@ -607,6 +552,31 @@ class Checkpointer:
                      result.path.name, result.mode, result.reason, max(per_rank) / 2**20, result.stall_s,
                      result.background_s, record["throughput_gbps"] or 0.0)
         self.on_event(record)
+
+
+def _settings(dir: str | os.PathLike, settings: CheckpointConfig | None, overrides: dict[str, Any], *,
+              state_dict_type: str) -> CheckpointConfig:
+    """`settings` (default: the defaults) with `dir` and the keyword `overrides`, validated."""
+    known = {f.name for f in dataclasses.fields(CheckpointConfig)} - {"dir"}
+    for name in overrides.keys() - known:
+        refuse_removed(f"checkpoint.{name}", fix=f"leave {name}= out of Checkpointer(...)")
+    if unknown := sorted(overrides.keys() - known):
+        raise TypeError(f"Checkpointer got unknown setting(s) {unknown}; known: {sorted(known)}")
+    if "preemption_signals" in overrides:
+        overrides["preemption_signals"] = list(overrides["preemption_signals"])
+    cfg = dataclasses.replace(settings or CheckpointConfig(), dir=str(dir), **overrides)
+    validate_checkpoint(cfg, state_dict_type=state_dict_type)
+    return cfg
+
+
+def _stateful(scheduler: Any, state: dict[str, Any] | None) -> dict[str, Any]:
+    """The Stateful pieces a checkpoint holds besides model and optimizer: the scheduler and `state`."""
+    stateful = {"scheduler": as_stateful(scheduler, name="scheduler")} if scheduler is not None else {}
+    for name, obj in (state or {}).items():
+        if name in stateful:
+            raise ValueError(f"checkpoint state {name!r} is taken by the scheduler; choose another name")
+        stateful[name] = as_stateful(obj, name=name)
+    return stateful
 
 
 def _agree_on_step(step: int | None, *, group: tdist.ProcessGroup | None) -> int | None:

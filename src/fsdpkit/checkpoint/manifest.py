@@ -29,12 +29,12 @@ import torch
 from torch import nn
 
 from fsdpkit import __version__
+from fsdpkit.checkpoint.embeddings import tying_words, vocab_and_tie
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointMismatchError
 from fsdpkit.checkpoint.frozen import file_sets
 from fsdpkit.checkpoint.layout import MANIFEST
 from fsdpkit.checkpoint.manifest_schema import manifest_problems
-from fsdpkit.checkpoint.storage import write_atomic
-from fsdpkit.model.embeddings import tying_words, vocab_and_tie
+from fsdpkit.checkpoint.storage import open_storage
 
 FORMAT = "fsdpkit-checkpoint"
 FORMAT_VERSION = 3  # 3: may reference shared frozen tensors (`shared`, frozen.py); written when it does
@@ -140,7 +140,7 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
 def write_manifest(ckpt_dir: Path, manifest: dict[str, Any]) -> None:
     """Seal `manifest` and commit it: tmp + fsync + rename + directory fsync (one PUT on object storage)."""
     sealed = {**{k: v for k, v in manifest.items() if k != SEAL}, SEAL: manifest_digest(manifest)}
-    write_atomic(ckpt_dir / MANIFEST, json.dumps(sealed, indent=1) + "\n")
+    (open_storage(ckpt_dir) / MANIFEST).write_atomic(json.dumps(sealed, indent=1) + "\n")
 
 
 def read_manifest(ckpt_dir: Path) -> dict[str, Any]:

@@ -19,94 +19,21 @@ means the newest of this run. Nothing is ever deleted here.
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
-import os
-import socket
-import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-from fsdpkit import tunables
-from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError
-from fsdpkit.checkpoint.layout import (
-    ARCHIVE,
-    LATEST,
-    MANIFEST,
-    CkptPath,
-    candidate_dirs,
-    publish_latest,
-    utc_stamp,
-)
-from fsdpkit.checkpoint.manifest import read_manifest
-from fsdpkit.checkpoint.storage import RemotePath, fsync_path, move_tree
-from fsdpkit.checkpoint.storage.object_lock import ObjectLock
+from fsdpkit.checkpoint import catalog
+from fsdpkit.checkpoint.errors import CheckpointError
+from fsdpkit.checkpoint.layout import ARCHIVE, LATEST, MANIFEST, CkptPath, utc_stamp
+from fsdpkit.checkpoint.storage import open_storage
 
 log = logging.getLogger("fsdpkit.checkpoint")
-LOCK = ".lock"
 EXISTING_POLICIES = ("error", "archive")
 
 
 def new_run_id() -> str:
     return uuid.uuid4().hex
-
-
-class DirectoryLock:
-    """An exclusive flock on `<root>/.lock`, held for a run's life by its rank 0."""
-
-    def __init__(self, root: Path):
-        self.root, self._fd = root, None
-
-    def acquire(self, *, wait_s: float | None = None) -> DirectoryLock:
-        """Raises CheckpointError when another live process holds the lock after `wait_s` (default
-        FSDPKIT_LOCK_WAIT_S: time for a just-killed predecessor to exit)."""
-        path = self.root / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        deadline = time.monotonic() + (tunables.current().lock_wait_s if wait_s is None else wait_s)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() >= deadline:
-                    holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "unknown"
-                    os.close(fd)
-                    raise CheckpointError(
-                        f"checkpoint.dir={self.root} is in use by another run ({holder}): two runs must never write "
-                        "into one checkpoint directory. Wait for it to end, stop it, or set checkpoint.dir (or "
-                        "run_dir) to another directory") from None
-                time.sleep(0.2)
-            except OSError as e:  # a filesystem without flock: say so and go on unprotected
-                log.warning("cannot lock %s (%s): nothing stops a second run from using this directory", path, e)
-                os.close(fd)
-                return self
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
-        self._fd = fd
-        return self
-
-    def release(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing drops the flock
-            self._fd = None
-
-
-def lock_for(root: CkptPath) -> DirectoryLock | ObjectLock:
-    """The lock for a checkpoints root: flock locally, a heartbeat object on object storage."""
-    return ObjectLock(root) if isinstance(root, RemotePath) else DirectoryLock(root)
-
-
-def committed_in(root: CkptPath) -> list[tuple[CkptPath, dict[str, Any]]]:
-    """(path, manifest) of the committed, readable checkpoints directly under `root`."""
-    found = []
-    for path in candidate_dirs(root):
-        try:
-            found.append((path, read_manifest(path)))
-        except (FileNotFoundError, CheckpointCorruptError):
-            continue  # uncommitted or corrupt: resolution deals with those, never this module
-    return found
 
 
 def claim(root: CkptPath, *, run_id: str, resumed: dict[str, Any] | None, existing: str,
@@ -123,8 +50,9 @@ def claim(root: CkptPath, *, run_id: str, resumed: dict[str, Any] | None, existi
     """
     if existing not in EXISTING_POLICIES:
         raise ValueError(f"checkpoint.existing={existing!r}: expected one of {', '.join(EXISTING_POLICIES)}")
+    root = open_storage(root)
     foreign, newer = [], []
-    for path, manifest in committed_in(root):
+    for path, manifest in ((c.path, c.manifest) for c in catalog.committed(root)):
         owner = manifest.get("run_id")  # None: written before run ids; cannot be told apart, so kept
         if owner is not None and owner != run_id:
             foreign.append((path, manifest))
@@ -145,7 +73,7 @@ def claim(root: CkptPath, *, run_id: str, resumed: dict[str, Any] | None, existi
     if newer:
         lines.append(_archive(root, [p for p, _ in newer], moved,
                               why=f"newer than step {resumed['step']}, which this run resumed from"))
-    lines += repair_latest(root)
+    lines += catalog.repair_latest(root)
     return lines, moved
 
 
@@ -153,34 +81,12 @@ def _archive(root: CkptPath, paths: list[CkptPath], moved: dict[str, str], *, wh
     """Move `paths` (and `latest`, when it names one of them) into a new archive/<time>/."""
     dest = root / ARCHIVE / utc_stamp()
     dest.mkdir(parents=True)
-    try:
-        latest_names = (root / LATEST).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        latest_names = None
+    latest_names = catalog.read_latest(root)
     for p in sorted(paths):
-        move_tree(p, dest / p.name, last=MANIFEST)
+        p.move_to(dest / p.name, last=MANIFEST)
         moved[str(p)] = str(dest / p.name)
     if latest_names in {p.name for p in paths}:
-        move_tree(root / LATEST, dest / LATEST)
-    if not isinstance(root, RemotePath):
-        fsync_path(root)
+        (root / LATEST).move_to(dest / LATEST)
+    root.fsync()
     return f"moved {', '.join(p.name for p in sorted(paths))} ({why}) to {dest}"
 
-
-def repair_latest(root: CkptPath) -> list[str]:
-    """Point `latest` at the newest committed checkpoint if it is missing or names one that is not there."""
-    latest = root / LATEST
-    try:
-        named = latest.read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        named = None
-    if named and (root / named / MANIFEST).is_file():
-        return []
-    committed = sorted(committed_in(root), key=lambda pm: pm[1]["step"])
-    if committed:
-        publish_latest(committed[-1][0])
-        return [f"{latest} named {named!r}, which is not a committed checkpoint; it now names {committed[-1][0].name}"]
-    if latest.exists():
-        move_tree(latest, latest.with_name(f"{LATEST}.stale-{utc_stamp()}"))
-        return [f"{latest} named {named!r}, which is not a committed checkpoint, and none is left: moved it aside"]
-    return []

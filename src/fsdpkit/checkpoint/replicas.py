@@ -52,7 +52,9 @@ from torch.distributed.tensor import DeviceMesh, DTensor
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, CheckpointError, CheckpointMismatchError
 from fsdpkit.checkpoint.hashing import HASH_NAME, file_checksum
 from fsdpkit.checkpoint.safe_io import SafeLoadPlanner
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.checkpoint.staging import tensors as tensors_in
+from fsdpkit.dist import group_rank
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -109,8 +111,8 @@ def find_replication(state: dict[str, Any], *, group: tdist.ProcessGroup | None)
 
 
 def load_replicated(state: dict[str, Any], reader: Any, *, read: Callable[..., None], replication: Replication,
-                    group: tdist.ProcessGroup | None, ckpt_dir: Path,
-                    manifest: dict[str, Any]) -> dict[str, torch.Tensor] | None:
+                    group: tdist.ProcessGroup | None, ckpt_dir: Path, manifest: dict[str, Any],
+                    io: IOSettings) -> dict[str, torch.Tensor] | None:
     """Collective over `group`: fill `state` (target.tensor_state's dict, this rank's `rng` entry
     included) in place, the readers through `read(state, group=..., no_dist=...)` (DCP's load of
     the checkpoint, through `reader`, and of the shared directories it references), their peers by
@@ -121,12 +123,12 @@ def load_replicated(state: dict[str, Any], reader: Any, *, read: Callable[..., N
     UnsafeCheckpointError (a refused `.metadata` or item), CheckpointError for anything else that
     failed a reader's load.
     """
-    rank = _group_rank(group)
+    rank = group_rank(group)
     own_rng = state.get("rng", {}).get(f"rank{rank}")
     if len(replication.readers) > 1:
         replication = dataclasses.replace(replication, group=readers_group(replication.readers))
     failure = _read(state, reader, read=read, replication=replication, group=group, ckpt_dir=ckpt_dir,
-                    manifest=manifest) if replication.reads else None
+                    manifest=manifest, io=io) if replication.reads else None
     _agree(failure, group=group)
     rng, problem = _broadcast(state, replication=replication, rank=rank, own_rng=own_rng)
     _agree(problem, group=group)
@@ -135,11 +137,6 @@ def load_replicated(state: dict[str, Any], reader: Any, *, read: Callable[..., N
     else:
         state["rng"] = {f"rank{rank}": rng}
     return rng
-
-
-def _group_rank(group: tdist.ProcessGroup | None, global_rank: int | None = None) -> int:
-    global_rank = tdist.get_rank() if global_rank is None else global_rank
-    return global_rank if group is None else tdist.get_group_rank(group, global_rank)
 
 
 # A failure as the ranks agree on it: (error type, message, whether this rank's own load failed
@@ -166,7 +163,7 @@ def readers_group(readers: tuple[int, ...]) -> tdist.ProcessGroup | None:
 
 
 def _read(state: dict[str, Any], reader: Any, *, read: Callable[..., None], replication: Replication,
-          group: tdist.ProcessGroup | None, ckpt_dir: Path, manifest: dict[str, Any]) -> Failure | None:
+          group: tdist.ProcessGroup | None, ckpt_dir: Path, manifest: dict[str, Any], io: IOSettings) -> Failure | None:
     """A reader: DCP load of its shards and of its peers' RNG state; the first reader alone reads the
     leaves that every rank holds alike (plain tensors, optimizer `param_groups`) and hands them to
     the other readers. Returns the failure, if any (every reader then has one, or hears of one)."""
@@ -177,7 +174,7 @@ def _read(state: dict[str, Any], reader: Any, *, read: Callable[..., None], repl
         reader.read_metadata()
         _select_rng(state, reader, replication=replication, group=group)
     except Exception as e:  # noqa: BLE001 - reported to every rank by _agree
-        failure = _describe(e, reader, state=state, ckpt_dir=ckpt_dir, manifest=manifest, own=True)
+        failure = _describe(e, reader, state=state, ckpt_dir=ckpt_dir, manifest=manifest, own=True, io=io)
     if pg is not None:  # the readers enter dcp.load together, or none does
         flag = torch.tensor([failure is not None], dtype=torch.int64)
         tdist.all_reduce(flag, group=pg)
@@ -192,8 +189,8 @@ def _read(state: dict[str, Any], reader: Any, *, read: Callable[..., None], repl
     try:
         read(into, group=pg, no_dist=pg is None)
     except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
-        own = not isinstance(e, CheckpointException) or (tdist.get_rank(pg) if pg else 0) in e.failures
-        return _describe(e, reader, state=into, ckpt_dir=ckpt_dir, manifest=manifest, own=own)
+        own = not isinstance(e, CheckpointException) or (group_rank(pg) if pg else 0) in e.failures
+        return _describe(e, reader, state=into, ckpt_dir=ckpt_dir, manifest=manifest, own=own, io=io)
     if pg is not None:
         leaves = {p: v for p, v in _flat(state).items() if _alike(p, v)} if first else alike
         _, problems = _share(state, leaves, src=replication.readers[0], pg=pg, device=torch.device("cpu"))
@@ -222,10 +219,10 @@ def _select_rng(state: dict[str, Any], reader: Any, *, replication: Replication,
     if "rng" not in state:
         return
     saved = reader.read_metadata().state_dict_metadata
-    me = _group_rank(group)
+    me = group_rank(group)
     own = state["rng"][f"rank{me}"]
     rng = {}
-    for peer in (_group_rank(group, p) for p in replication.peers):
+    for peer in (group_rank(group, of=p) for p in replication.peers):
         keys = [k for k in own if f"rng.rank{peer}.{k}" in saved]
         if "torch_cpu" in keys:
             rng[f"rank{peer}"] = {k: own[k] if peer == me else own[k].clone() for k in keys}
@@ -236,7 +233,7 @@ def _select_rng(state: dict[str, Any], reader: Any, *, replication: Replication,
 
 
 def _describe(error: BaseException, reader: Any, *, state: dict[str, Any], ckpt_dir: Path, manifest: dict[str, Any],
-              own: bool) -> Failure:
+              own: bool, io: IOSettings) -> Failure:
     """A reader's failed load as every rank will raise it, naming the files it was reading."""
     causes = [e for e, _ in error.failures.values()] if isinstance(error, CheckpointException) else [error]
     ours = [type(c) for c in causes if isinstance(c, CheckpointError)]
@@ -245,7 +242,7 @@ def _describe(error: BaseException, reader: Any, *, state: dict[str, Any], ckpt_
     where = ""
     if own:
         files = _files_read(reader, state)
-        damaged = _check(files, ckpt_dir=ckpt_dir, manifest=manifest)
+        damaged = _check(files, ckpt_dir=ckpt_dir, manifest=manifest, io=io)
         where = (f" Damaged: {'; '.join(damaged)}." if damaged
                  else f" It was reading {', '.join(str(ckpt_dir / f) for f in files)}." if files else "")
     message = (f"{ckpt_dir} could not be loaded: rank {tdist.get_rank()}, which reads for its replicas, failed "
@@ -265,7 +262,7 @@ def _files_read(reader: Any, state: dict[str, Any]) -> list[str]:
         return []
 
 
-def _check(files: list[str], *, ckpt_dir: Path, manifest: dict[str, Any]) -> list[str]:
+def _check(files: list[str], *, ckpt_dir: Path, manifest: dict[str, Any], io: IOSettings) -> list[str]:
     """The problems of `files` against the manifest's sizes and checksums."""
     problems = []
     for name in files:
@@ -273,7 +270,7 @@ def _check(files: list[str], *, ckpt_dir: Path, manifest: dict[str, Any]) -> lis
         if info is None:
             continue
         try:
-            size, digest = file_checksum(path)
+            size, digest = file_checksum(path, io=io)
         except FileNotFoundError:
             problems.append(f"{path} is missing")
             continue
@@ -290,7 +287,7 @@ def _check(files: list[str], *, ckpt_dir: Path, manifest: dict[str, Any]) -> lis
 def _agree(failure: Failure | None, *, group: tdist.ProcessGroup | None) -> None:
     """Collective over `group`: if any rank failed, raise on every rank the error of the first
     rank whose own load failed (else the first that heard of a failure). One all-reduce when none did."""
-    ws, me = tdist.get_world_size(group), _group_rank(group)
+    ws, me = tdist.get_world_size(group), group_rank(group)
     score = 2 * ws if failure is None else me if failure[2] else ws + me
     first = torch.tensor([score], dtype=torch.int64)
     tdist.all_reduce(first, op=tdist.ReduceOp.MIN, group=group)

@@ -1,10 +1,16 @@
-"""Find the checkpoint to resume from, verify it, load it, and check what was restored."""
+"""Load a checkpoint into the live state, verify every byte it uses, and check what was restored.
+
+Which checkpoint to load is resolve.py's question; this module reads it: the fingerprint and the
+optimizer checked before anything is touched, DCP's load (resharding as needed; one replica group
+reads under HSDP: replicas.py), the file checksums (from the load's own read where re-reading is
+cheap, else in a pass of their own: `verify_files`), and the restored tensors' checksums after it.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,64 +30,26 @@ from fsdpkit.checkpoint.full import read_full
 from fsdpkit.checkpoint.hashing import HASH_NAME, LINEAR, file_checksum
 from fsdpkit.checkpoint.io import safe_reader
 from fsdpkit.checkpoint.io.items import ITEMS
-from fsdpkit.checkpoint.layout import INCOMING, ON_EXCEPTION, candidate_dirs, move_aside
 from fsdpkit.checkpoint.manifest import check_files_present, check_fingerprint, read_manifest
 from fsdpkit.checkpoint.replicas import find_replication, load_replicated
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, SafeLoadPlanner
 from fsdpkit.checkpoint.save import tensor_table
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.checkpoint.state import CheckpointTarget, join_tensors, restore_rng
 from fsdpkit.checkpoint.storage import open_storage
-from fsdpkit.dist import on_main
+from fsdpkit.dist import group_rank, group_size, on_main
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
 
-def committed_candidates(ckpt_root: Path, *, corrupt: list[tuple[Path, str]] | None = None) -> list[tuple[Path, int]]:
-    """Committed checkpoints, newest first (on_exception first when it is at least as new, and a
-    committed replacement `.incoming` before the checkpoint it replaces). Directories never
-    committed are skipped quietly (an interrupted save); corrupt or incomplete ones are skipped
-    with a warning and, if `corrupt` is given, appended to it with the reason."""
-    found = []
-    for path in candidate_dirs(ckpt_root):
-        try:
-            manifest = read_manifest(path)
-            problems = check_files_present(path, manifest)
-        except FileNotFoundError:
-            log.info("skipping %s: never committed (an interrupted save)", path)
-            continue
-        except CheckpointCorruptError as e:
-            problems = [str(e)]
-        if problems:
-            log.warning("skipping %s: %s", path, "; ".join(problems))
-            if corrupt is not None:
-                corrupt.append((path, "; ".join(problems)))
-            continue
-        found.append((path, manifest["step"]))
-    return sorted(found, key=lambda item: (item[1], item[0].name.startswith(ON_EXCEPTION),
-                                           item[0].name.endswith(INCOMING)), reverse=True)
-
-
-def set_aside(path: Path, why: str) -> None:
-    """Rank 0: move a checkpoint that failed verification out of the way (never deleted), so
-    that its step is saved again and nothing resolves to it."""
-    try:
-        new = move_aside(path, "corrupt")
-    except OSError as e:
-        log.warning("could not move %s aside (%s); it stays, and stays skipped", path, e)
-        return
-    # Every line of `why`: a failure found at load time puts the damaged files on the lines after the first.
-    reason = " ".join(line.strip() for line in why.splitlines() if line.strip())
-    log.warning("moved %s to %s: it failed verification (%s); inspect or delete it yourself", path.name, new.name,
-                reason[:1000])
-
-
 def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None = None,
-                 threads: int = 4, only: Callable[[Path, str, dict[str, Any]], bool] | None = None) -> list[str]:
+                 threads: int = 4, only: Callable[[Path, str, dict[str, Any]], bool] | None = None,
+                 io: IOSettings | None = None) -> list[str]:
     """Recompute every file checksum (the shared files the checkpoint references too; with `only`,
-    the files (directory, name, manifest entry) it accepts), split over ranks (and threads); every
-    rank gets all problems."""
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
-    ws = tdist.get_world_size(group) if tdist.is_initialized() else 1
+    the files (directory, name, manifest entry) it accepts), split over ranks (and threads), read
+    with `io` (default: the environment's); every rank gets all problems."""
+    rank, ws, io = group_rank(group), group_size(group), io or IOSettings.from_environment()
+    ckpt_dir = open_storage(ckpt_dir)
     listed = [(directory / name, info) for directory, files in file_sets(ckpt_dir, manifest)
               for name, info in sorted(files.items()) if only is None or only(directory, name, info)]
 
@@ -89,7 +57,7 @@ def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.Proce
         path, info = item
         if not path.is_file():
             return f"{path} is missing"
-        size, digest = file_checksum(path)
+        size, digest = file_checksum(path, io=io)
         if size != info["size"]:
             return f"{path} has {size} bytes, expected {info['size']} (truncated or overwritten)"
         if digest != info[HASH_NAME]:
@@ -103,62 +71,6 @@ def verify_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.Proce
     everyone: list[list[str]] = [[] for _ in range(ws)]
     tdist.all_gather_object(everyone, mine, group=group)
     return [p for problems in everyone for p in problems]
-
-
-def resolve_checkpoint(resume: str, *, ckpt_root: Path, group: tdist.ProcessGroup | None,
-                       verify_checksums: bool = True, storage_options: dict[str, Any] | None = None,
-                       skip: Collection[str] = ()) -> Path | None:
-    """The checkpoint every rank resumes from (rank 0 decides, all ranks verify together).
-
-    `none`: None. `auto`: the newest committed checkpoint under `ckpt_root` that passes
-    verification (complete; with `verify_checksums`, every file's checksum too), or None; names in
-    `skip` are passed over (found corrupt already, and not moved aside). A path: that checkpoint,
-    which must be committed and intact (a URL is opened with `storage_options`).
-    """
-    if resume == "none":
-        return None
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
-    if resume == "auto":
-        candidates, explicit = None, False
-        if rank == 0:
-            corrupt: list[tuple[Path, str]] = []
-            candidates = [p.name for p, _ in committed_candidates(ckpt_root, corrupt=corrupt) if p.name not in skip]
-            for path, why in corrupt:
-                set_aside(path, why)
-    else:
-        candidates, explicit = [resume], True
-    if tdist.is_initialized():
-        box = [candidates]
-        tdist.broadcast_object_list(box, src=0, group=group)
-        candidates = box[0]
-    for candidate in candidates:
-        # auto's candidates are names under ckpt_root, which keeps its filesystem (storage options)
-        path = open_storage(candidate, storage_options) if explicit else ckpt_root / candidate
-        try:
-            manifest = read_manifest(path)
-            missing = check_files_present(path, manifest)
-            if missing:
-                raise CheckpointCorruptError(f"{path} is incomplete: " + "; ".join(missing))
-        except FileNotFoundError as e:
-            if not path.exists():
-                raise FileNotFoundError(f"checkpoint.resume={resume!r}: {path} does not exist") from None
-            raise CheckpointError(f"checkpoint.resume={resume!r} is not a committed checkpoint: {e}") from None
-        problems = verify_files(path, manifest, group=group) if verify_checksums else []
-        if not problems:
-            return path
-        message = f"{path} failed verification:\n  " + "\n  ".join(problems)
-        if explicit:
-            raise CheckpointCorruptError(message)
-        log.warning("skipping %s", message)
-        if rank == 0:
-            set_aside(path, problems[0])
-        _barrier(group)  # nobody looks at the next candidate while rank 0 still moves this one
-    return None
-
-
-def _barrier(group: tdist.ProcessGroup | None) -> None:
-    if tdist.is_initialized():
-        tdist.barrier(group=group)
 
 
 @dataclass(frozen=True)
@@ -180,8 +92,11 @@ def load_checkpoint(
     model_only: bool = False,
     verify: bool = True,
     verify_files: bool = False,
+    optimizer_steps: bool = False,
+    io: IOSettings | None = None,
 ) -> LoadReport:
-    """Load `ckpt_dir` into `target` (resharding to the current world size as needed).
+    """Load `ckpt_dir` into `target` (resharding to the current world size as needed), reading with
+    `io` (default: the environment's I/O settings).
 
     Checks the model fingerprint before touching any state. With `verify`, recomputes per-tensor
     checksums of what was restored and compares them with the manifest. With `verify_files` (a
@@ -191,6 +106,8 @@ def load_checkpoint(
     anything decodes them (io/checked_read.py), the tensors' elements by `verify` after it; every
     other file (a full checkpoint's, one written without item checksums, or all of them without
     `verify`) is checked whole in a pass of its own, split over ranks, before the load reads any.
+    With `optimizer_steps` (the loop's step counts optimizer steps: fsdpkit's trainer), `verify`
+    also checks the optimizer's step counts against the checkpoint's step.
 
     Returns: what was loaded (the manifest), notes about tolerated changes, and timings.
     Raises:
@@ -201,7 +118,7 @@ def load_checkpoint(
             holds part of the checkpoint and must not be used as it is (Checkpointer.resume loads
             an older checkpoint over it, or stops the run).
     """
-    t0 = time.perf_counter()
+    t0, io, ckpt_dir = time.perf_counter(), io or IOSettings.from_environment(), open_storage(ckpt_dir)
     manifest = read_manifest(ckpt_dir)
     notes = check_fingerprint(manifest["fingerprint"], fingerprint, ckpt_dir=ckpt_dir)
     if not model_only:
@@ -211,16 +128,16 @@ def load_checkpoint(
     if one_read:  # before any file is read for loading: every file there, of its size (rank 0 looks)
         on_main(lambda: _check_present(ckpt_dir, manifest), group=group, errors=(CheckpointCorruptError,))
     if verify_files:  # and those the load's own read cannot check, whole
-        _check_files(ckpt_dir, manifest, group=group, only=_read_unchecked if one_read else None)
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+        _check_files(ckpt_dir, manifest, group=group, io=io, only=_read_unchecked if one_read else None)
+    rank = group_rank(group)
     tensors: dict[str, Any] = {}
     readers: dict[str, Any] = {}
     if not sharded:
         rng = read_full(target, ckpt_dir, manifest, rank=rank, model_only=model_only)
     else:
-        readers = _readers(ckpt_dir, manifest, checked=one_read)
+        readers = _readers(ckpt_dir, manifest, checked=one_read, io=io)
         rng, tensors = _load_sharded(target, ckpt_dir, manifest, readers, rank=rank, group=group,
-                                     model_only=model_only)
+                                     model_only=model_only, io=io)
     if rng is None and not model_only:
         notes.append(f"rank {rank} has no saved RNG state (saved on {manifest['world_size']} ranks); "
                      "it keeps its fresh seed")
@@ -232,10 +149,11 @@ def load_checkpoint(
     verify_s = None
     if verify:
         try:
-            verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir)
+            verify_restored(target, manifest, group=group, model_only=model_only, ckpt_dir=ckpt_dir, io=io,
+                            optimizer_step=manifest["step"] if optimizer_steps else None)
         except CheckpointMismatchError as e:
             if one_read and e.differing:  # the elements were not checked before: are their files intact?
-                _check_after_load(ckpt_dir, manifest, readers, keys=e.differing, group=group, cause=e)
+                _check_after_load(ckpt_dir, manifest, readers, keys=e.differing, group=group, cause=e, io=io)
             raise
         verify_s = time.perf_counter() - t_load
     return LoadReport(manifest=manifest, notes=notes, load_s=t_load - t0, verify_s=verify_s)
@@ -292,18 +210,18 @@ def _restore_stateful(target: CheckpointTarget, manifest: dict[str, Any], tensor
                 "resume with checkpoint.resume_mode=model_only, or start fresh") from None
 
 
-def _readers(ckpt_dir: Path, manifest: dict[str, Any], *, checked: bool) -> dict[str, Any]:
+def _readers(ckpt_dir: Path, manifest: dict[str, Any], *, checked: bool, io: IOSettings) -> dict[str, Any]:
     """A DCP reader per directory the load reads (the checkpoint's, then each shared one it
     references), by str(directory); `checked`: each checks what it reads against the manifest
     (io/checked_read.py)."""
     covered = manifest["tensors"].keys()
-    return {str(directory): safe_reader(directory, files=files if checked else None, covered=covered)
+    return {str(directory): safe_reader(directory, files=files if checked else None, covered=covered, io=io)
             for directory, files in file_sets(ckpt_dir, manifest)}
 
 
 def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, Any], readers: dict[str, Any], *,
-                  rank: int, group: tdist.ProcessGroup | None,
-                  model_only: bool) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+                  rank: int, group: tdist.ProcessGroup | None, model_only: bool,
+                  io: IOSettings) -> tuple[dict[str, Any] | None, dict[str, Any]]:
     """DCP load (resharding as needed) into the live model/optimizer through `readers` (one load
     per directory: the checkpoint's, and each shared one it references); returns this rank's RNG
     state and the Stateful pieces' tensors (by `state.<name>.<path>`).
@@ -326,7 +244,7 @@ def _load_sharded(target: CheckpointTarget, ckpt_dir: Path, manifest: dict[str, 
 
     replication = find_replication(state, group=group)
     if replication is not None:
-        rng = load_replicated(state, reader, read=read, replication=replication, group=group, ckpt_dir=ckpt_dir,
+        rng = load_replicated(state, reader, read=read, replication=replication, group=group, ckpt_dir=ckpt_dir, io=io,
                               manifest=manifest)
     else:
         _agree_on_metadata(list(readers.values()), ckpt_dir=ckpt_dir, group=group)
@@ -394,28 +312,28 @@ def _load_every_rank(state: dict[str, Any], reader: Any, *, read: Callable[..., 
     return state["rng"][f"rank{rank}"] if "rng" in state else None
 
 
-def _check_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None,
+def _check_files(ckpt_dir: Path, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None, io: IOSettings,
                  only: Callable[[Path, str, dict[str, Any]], bool] | None = None) -> None:
     """Collective: raise CheckpointCorruptError naming every file of `manifest` (that `only`
     accepts) that is missing, has another size or fails its checksum (`verify_files`)."""
     if only is not None and not any(only(directory, name, info) for directory, files in file_sets(ckpt_dir, manifest)
                                     for name, info in files.items()):
         return  # nothing to check (every rank sees the same manifest)
-    problems = verify_files(ckpt_dir, manifest, group=group, only=only)
+    problems = verify_files(ckpt_dir, manifest, group=group, only=only, io=io)
     if problems:
         raise CheckpointCorruptError(f"{ckpt_dir} failed verification before loading (nothing was loaded):\n  "
                                      + "\n  ".join(problems))
 
 
 def _check_after_load(ckpt_dir: Path, manifest: dict[str, Any], readers: dict[str, Any], *, keys: list[str],
-                      group: tdist.ProcessGroup | None, cause: CheckpointMismatchError) -> None:
+                      group: tdist.ProcessGroup | None, cause: CheckpointMismatchError, io: IOSettings) -> None:
     """Collective, after a one-read load restored `keys` with other checksums than the manifest's:
     check the files their elements were read from, whole. Raise CheckpointCorruptError naming
     those that fail (the bytes were corrupt); return if they pass (the restore changed the values:
     the caller raises `cause`)."""
     holders = {(directory, info.relative_path) for directory, reader in readers.items()
                for index, info in reader.read_metadata().storage_data.items() if index.fqn in keys}
-    problems = verify_files(ckpt_dir, manifest, group=group,
+    problems = verify_files(ckpt_dir, manifest, group=group, io=io,
                             only=lambda directory, name, _: (str(directory), name) in holders)
     if problems:
         raise CheckpointCorruptError(
@@ -425,13 +343,15 @@ def _check_after_load(ckpt_dir: Path, manifest: dict[str, Any], readers: dict[st
 
 
 def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group: tdist.ProcessGroup | None,
-                    model_only: bool, ckpt_dir: Path) -> None:
-    """Compare the live, restored state with the manifest: keys, shapes, dtypes, checksums and
-    optimizer step counts. Any difference is an error naming the key and both values."""
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+                    model_only: bool, ckpt_dir: Path, optimizer_step: int | None = None,
+                    io: IOSettings | None = None) -> None:
+    """Compare the live, restored state with the manifest: keys, shapes, dtypes and checksums (computed
+    with `io`), and with `optimizer_step` the optimizer's step counts. Any difference is an error
+    naming the key and both values."""
+    rank = group_rank(group)
     # checkpoints written before the algorithm was recorded used `linear`
     _, live = tensor_table(target.tensor_state(rank=rank, model_only=model_only), group=group,
-                           algorithm=manifest.get("tensor_hash", LINEAR))
+                           algorithm=manifest.get("tensor_hash", LINEAR), io=io)
     saved = {k: v for k, v in manifest["tensors"].items() if not model_only or k.startswith("model.")}
     problems = [f"{k}: in the checkpoint, not restored" for k in sorted(saved.keys() - live.keys())]
     problems += [f"{k}: restored, but not in the checkpoint" for k in sorted(live.keys() - saved.keys())]
@@ -442,11 +362,10 @@ def verify_restored(target: CheckpointTarget, manifest: dict[str, Any], *, group
                 problems.append(f"{k}: {field} saved {saved[k][field]}, restored {live[k][field]}")
                 if field == "hash":
                     differing.append(k)
-    expected = manifest.get("trainer", {}).get("train", {}).get("step")  # a loop without fsdpkit's counters: none
-    if not model_only and expected is not None and target.optimizer is not None:
+    if not model_only and optimizer_step is not None and target.optimizer is not None:
         opt_steps = {int(s["step"]) for s in target.optimizer.state.values() if "step" in s}
-        if opt_steps and opt_steps != {expected}:
-            problems.append(f"optimizer step counts {sorted(opt_steps)} differ from the trainer step {expected}")
+        if opt_steps and opt_steps != {optimizer_step}:
+            problems.append(f"optimizer step counts {sorted(opt_steps)} differ from the trainer step {optimizer_step}")
     if problems:
         raise CheckpointMismatchError(
             f"restored state differs from checkpoint {ckpt_dir} ({len(problems)} problem(s)):\n  "

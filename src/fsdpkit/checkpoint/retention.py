@@ -1,9 +1,9 @@
-"""Which committed checkpoints to keep: the newest `keep_last`, every `keep_every`-th step, and
-the `keep_best` by a logged metric. Runs on rank 0 right after a commit, so a checkpoint is only
-ever deleted once a newer one is committed. Only this run's checkpoints are considered (see
-ownership.py). Never deleted: the checkpoint just committed, the one `latest` names, the newest
-committed checkpoint, any directory without a manifest (one being written, or debris for a person
-to look at), and `on_exception`.
+"""Which committed checkpoints to keep: the newest `keep_last`, every `keep_every`-th step, and the
+`keep_best` by a logged metric. A policy, applied by the Checkpointer on rank 0 after each
+commit (never inside it), so a checkpoint is only ever deleted once a newer one is committed.
+Only this run's checkpoints are considered (see ownership.py). Never deleted: the checkpoint
+just committed, the one `latest` names, the newest committed checkpoint, any directory without a
+manifest (one being written, or debris for a person to look at), and `on_exception`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import logging
 import math
 from dataclasses import dataclass
 
-from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.checkpoint.layout import LATEST, STEP_DIR, CkptPath, candidate_dirs, remove_checkpoint
-from fsdpkit.checkpoint.manifest import read_manifest
+from fsdpkit.checkpoint import catalog
+from fsdpkit.checkpoint.layout import CkptPath, remove_checkpoint
+from fsdpkit.checkpoint.storage import open_storage
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -33,31 +33,29 @@ class RetentionPolicy:
 
 
 @dataclass(frozen=True)
-class Committed:
+class Candidate:
+    """A committed step_<N> checkpoint as the policy sees it: its step and its metric value."""
+
     path: CkptPath
     step: int
     metric: float | None
 
 
-def committed_steps(ckpt_root: CkptPath, *, metric: str, run_id: str | None = None) -> list[Committed]:
-    """Committed step_<N> checkpoints (of `run_id` when given), oldest first, with their `metric`
-    value (None if unlogged)."""
+def policy_view(ckpt_root: CkptPath, *, metric: str, run_id: str | None = None) -> list[Candidate]:
+    """This run's committed step_<N> checkpoints (the catalog's; of `run_id` when given), oldest
+    first, with their `metric` value (None if unlogged)."""
     found = []
-    for path in candidate_dirs(ckpt_root):
-        if not STEP_DIR.match(path.name):
-            continue
-        try:
-            manifest = read_manifest(path)
-        except (FileNotFoundError, CheckpointCorruptError):
-            continue  # not committed: never touched here
-        if run_id is not None and manifest.get("run_id") not in (None, run_id):
+    for c in catalog.committed(ckpt_root):
+        if not c.is_step_dir:
+            continue  # on_exception, and a replacement not yet swapped in: never touched here
+        if run_id is not None and c.manifest.get("run_id") not in (None, run_id):
             continue  # another run's: never touched here
-        value = manifest.get("metrics", {}).get(metric)
-        found.append(Committed(path, manifest["step"], None if value is None or math.isnan(value) else float(value)))
+        value = c.manifest.get("metrics", {}).get(metric)
+        found.append(Candidate(c.path, c.step, None if value is None or math.isnan(value) else float(value)))
     return sorted(found, key=lambda c: c.step)
 
 
-def to_keep(checkpoints: list[Committed], policy: RetentionPolicy) -> set[int]:
+def to_keep(checkpoints: list[Candidate], policy: RetentionPolicy) -> set[int]:
     """Steps the policy keeps among `checkpoints` (oldest first). Pure: tested on its own."""
     if not checkpoints:
         return set()
@@ -78,9 +76,10 @@ def apply_retention(ckpt_root: CkptPath, policy: RetentionPolicy, *, run_id: str
     """Delete this run's committed checkpoints the policy does not keep; returns what was deleted."""
     if not policy.active:
         return []
-    checkpoints = committed_steps(ckpt_root, metric=policy.metric, run_id=run_id)
+    ckpt_root = open_storage(ckpt_root)
+    checkpoints = policy_view(ckpt_root, metric=policy.metric, run_id=run_id)
     keep = to_keep(checkpoints, policy)
-    protected = {just_committed.name if just_committed else None, _latest_name(ckpt_root)}
+    protected = {just_committed.name if just_committed else None, catalog.read_latest(ckpt_root)}
     deleted = []
     for c in checkpoints:
         if c.step in keep or c.path.name in protected:
@@ -92,9 +91,3 @@ def apply_retention(ckpt_root: CkptPath, policy: RetentionPolicy, *, run_id: str
                  ", ".join(f"step_{s}" for s in sorted(keep)))
     return deleted
 
-
-def _latest_name(ckpt_root: CkptPath) -> str | None:
-    try:
-        return (ckpt_root / LATEST).read_text().strip()
-    except (OSError, UnicodeDecodeError):
-        return None

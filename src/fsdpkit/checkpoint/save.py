@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner
 
 from fsdpkit.checkpoint import staging
+from fsdpkit.checkpoint.catalog import publish_latest
 from fsdpkit.checkpoint.errors import CheckpointSaveError
 from fsdpkit.checkpoint.frozen import SHARED, SharedDir, frozen_keys, new_dir_name, stale_problem
 from fsdpkit.checkpoint.full import write_full
@@ -39,7 +40,7 @@ from fsdpkit.checkpoint.hashing import (
     zip_crc32_off,
 )
 from fsdpkit.checkpoint.io import hashing_writer, record_items
-from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, publish_latest, swap_in
+from fsdpkit.checkpoint.layout import INCOMING, LATEST, MANIFEST, CkptPath, swap_in
 from fsdpkit.checkpoint.manifest import (
     FORMAT,
     FORMAT_VERSION,
@@ -48,9 +49,11 @@ from fsdpkit.checkpoint.manifest import (
     versions,
     write_manifest,
 )
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.checkpoint.state import CheckpointTarget, flatten
-from fsdpkit.checkpoint.storage import remove_tree
+from fsdpkit.checkpoint.storage import open_storage
 from fsdpkit.checkpoint.storage.mirror import Mirror
+from fsdpkit.dist import group_rank, group_size
 
 log = logging.getLogger("fsdpkit.checkpoint")
 
@@ -99,15 +102,15 @@ def checksummed_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: v for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
-def tensor_table(state: dict[str, Any], *, group: tdist.ProcessGroup | None,
-                 algorithm: str | None = None) -> tuple[str, dict[str, dict[str, Any]]]:
+def tensor_table(state: dict[str, Any], *, group: tdist.ProcessGroup | None, algorithm: str | None = None,
+                 io: IOSettings | None = None) -> tuple[str, dict[str, dict[str, Any]]]:
     """(hash algorithm, {DCP key: shape, dtype, hash}); the algorithm follows where the tensors
     live unless given (verification must use the one the checkpoint was saved with).
-    Collective over `group`."""
+    Collective over `group`. `io`: the checksums' tunables (hashing.hash_part)."""
     tensors = checksummed_tensors(state)
     if algorithm is None:  # the same on every rank: all hold their state on the same kind of device
         algorithm = hash_algorithm_for(tensors)
-    return algorithm, _table(tensors, tensor_hashes(tensors, group=group, algorithm=algorithm))
+    return algorithm, _table(tensors, tensor_hashes(tensors, group=group, algorithm=algorithm, io=io))
 
 
 def _table(tensors: dict[str, torch.Tensor], hashes: dict[str, str]) -> dict[str, dict[str, Any]]:
@@ -124,21 +127,22 @@ class Shares:
     cpu_s: float  # its CPU time (of the thread that ran it)
 
 
-def _shares(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None, algorithm: str,
+def _shares(tensors: dict[str, torch.Tensor], *, group: tdist.ProcessGroup | None, algorithm: str, io: IOSettings,
             copy_to: dict[str, torch.Tensor] | None = None) -> Shares:
     t0, c0 = time.perf_counter(), time.thread_time()
-    local = local_contributions(tensors, group=group, algorithm=algorithm, copy_to=copy_to)
+    local = local_contributions(tensors, group=group, algorithm=algorithm, copy_to=copy_to, io=io)
     return Shares(algorithm, local, time.perf_counter() - t0, time.thread_time() - c0)
 
 
-def stage_hashing(live: dict[str, Any], staged: dict[str, Any], *, group: tdist.ProcessGroup | None) -> Shares:
+def stage_hashing(live: dict[str, Any], staged: dict[str, Any], *, group: tdist.ProcessGroup | None,
+                  io: IOSettings) -> Shares:
     """Copy every tensor of the DCP state dict `live` into its place in `staged` (the same
     structure, e.g. an async save's staging buffer) and return the checksum shares of the copied
     state, computed in the same pass over memory (hashing.hash_part), so that the write after it
     needs no hashing pass of its own (write_snapshot takes them from the Snapshot)."""
     tensors, buffers = checksummed_tensors(live), checksummed_tensors(staged)
     algorithm = hash_algorithm_for(tensors)
-    shares = _shares(tensors, group=group, algorithm=algorithm, copy_to=buffers)
+    shares = _shares(tensors, group=group, algorithm=algorithm, io=io, copy_to=buffers)
     hashed = {id(t) for t in tensors.values()}
     for src, dst in zip(staging.tensors(live), staging.tensors(staged), strict=True):
         if id(src) not in hashed:  # the rest (e.g. RNG states): copied only
@@ -147,6 +151,7 @@ def stage_hashing(live: dict[str, Any], staged: dict[str, Any], *, group: tdist.
 
 
 def _write_and_hash(state: dict[str, Any], write: Callable[[], Any], *, group: tdist.ProcessGroup | None,
+                    io: IOSettings,
                     shares: Shares | None = None) -> tuple[Any, str, dict[str, dict[str, Any]], dict[str, float]]:
     """`write()` while a worker thread computes this rank's tensor checksum shares (unless
     `shares` were computed before, by stage_hashing), then sum them over ranks: (write's result,
@@ -164,7 +169,7 @@ def _write_and_hash(state: dict[str, Any], write: Callable[[], Any], *, group: t
     t0, c0 = time.perf_counter(), time.thread_time()
     if shares is None:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdpkit-hash") as pool:
-            pending = pool.submit(_shares, tensors, group=group, algorithm=algorithm)
+            pending = pool.submit(_shares, tensors, group=group, algorithm=algorithm, io=io)
             written = write()
             t_write, c_write = time.perf_counter() - t0, time.thread_time() - c0
             computed = pending.result()
@@ -208,8 +213,8 @@ class FrozenShare:
     """The frozen tensors of one Checkpointer's saves (frozen.py): the shared directory its
     checkpoints reference, written by the first save and again only when a frozen tensor changed."""
 
-    def __init__(self, root: CkptPath) -> None:
-        self.root = root
+    def __init__(self, root: CkptPath, *, io: IOSettings | None = None) -> None:
+        self.root, self.io = open_storage(root), io or IOSettings.from_environment()
         self.current: SharedDir | None = None
 
     def take(self, snapshot: Snapshot, target: CheckpointTarget, *, run_id: str, group: tdist.ProcessGroup | None,
@@ -228,10 +233,10 @@ class FrozenShare:
         try:
             if algorithm is None:
                 algorithm = hash_algorithm_for(checksummed_tensors(snapshot.state))
-            algorithm, table = tensor_table(frozen, group=group, algorithm=algorithm)
+            algorithm, table = tensor_table(frozen, group=group, algorithm=algorithm, io=self.io)
             current = self.current
             if current is not None and current.algorithm == algorithm and current.tensors == table:
-                problem = _agree(stale_problem(current, self.root) if _rank(group) == 0 else None, group)
+                problem = _agree(stale_problem(current, self.root) if group_rank(group) == 0 else None, group)
                 if problem is None:
                     snapshot.shared, snapshot.frozen_s = current, time.perf_counter() - t0
                     return
@@ -251,37 +256,25 @@ class FrozenShare:
 
     def _write(self, frozen: dict[str, Any], table: dict[str, Any], algorithm: str, *, run_id: str, step: int,
                group: tdist.ProcessGroup | None, thread_count: int) -> SharedDir:
-        name = _agree(new_dir_name(run_id=run_id, step=step) if _rank(group) == 0 else None, group)
+        name = _agree(new_dir_name(run_id=run_id, step=step) if group_rank(group) == 0 else None, group)
         into = self.root / name
         try:
             try:
-                writer, fs = hashing_writer(into, thread_count=thread_count)
+                writer, fs = hashing_writer(into, thread_count=thread_count, io=self.io)
                 with zip_crc32_off():
                     metadata = dcp.save(frozen, storage_writer=writer, process_group=group)
                 record_items(into, fs.files, metadata, covered=frozenset(table))
                 files = {n: i for rank_files in _gather(fs.files, group) for n, i in rank_files.items()}
             except BaseException:
-                if _rank(group) == 0:  # a fresh name that nothing references: give the space back
+                if group_rank(group) == 0:  # a fresh name that nothing references: give the space back
                     with contextlib.suppress(OSError):
-                        remove_tree(into)
+                        into.remove_tree()
                 raise
-        except CheckpointException as e:  # a BaseException: see _commit
-            raise CheckpointSaveError(f"writing the frozen tensors to {into} failed on at least one rank; the "
-                                      f"previous checkpoint stays latest: {e}") from e
-        except RuntimeError as e:
-            raise CheckpointSaveError(f"writing the frozen tensors to {into} failed: a rank died or stalled "
-                                      f"({str(e).splitlines()[0]}); the previous checkpoint stays latest") from e
-        except OSError as e:
-            raise CheckpointSaveError(f"writing the frozen tensors to {into} failed ({e}); nothing was committed and "
-                                      "the previous checkpoint stays latest. Free space or fix permissions, then "
-                                      "resume") from e
+        except (CheckpointException, RuntimeError, OSError) as e:
+            raise save_error(e, doing=f"writing the frozen tensors to {into}") from e
         log.info("checkpoint: wrote %d frozen tensor(s) to %s; later checkpoints reference them while they are "
                  "unchanged", len(table), into)
         return SharedDir(name, files, table, algorithm)
-
-
-def _rank(group: tdist.ProcessGroup | None) -> int:
-    return tdist.get_rank(group) if tdist.is_initialized() else 0
 
 
 def capture(target: CheckpointTarget, *, step: int, meta: dict[str, Any], rank: int) -> Snapshot:
@@ -299,7 +292,7 @@ def save_checkpoint(
     group: tdist.ProcessGroup | None,
     thread_count: int = 1,
     state_dict_type: str = "sharded",
-    on_commit: Callable[[CkptPath], None] | None = None,
+    io: IOSettings | None = None,
     mirror: Mirror | None = None,
     plans: PlanCache | None = None,
     frozen: FrozenShare | None = None,
@@ -312,20 +305,19 @@ def save_checkpoint(
 
     Args:
         meta: manifest fields known to the caller (run id, config, fingerprint, optimizer summary, mesh).
-        on_commit: run on rank 0 with the committed path right after `latest` moved (retention),
-            before the final agreement.
+        io: the I/O tunables (default: the environment's).
         mirror: the local copy (checkpoint.local_dir) a remote sharded save's files are teed into.
         plans: the save-plan cache of the caller's saves (a sharded save; None: DCP plans afresh).
         frozen: the caller's shared frozen tensors (a sharded save; None: every tensor is written).
     Raises:
         CheckpointSaveError: on every rank, if any rank failed or timed out; nothing was committed.
     """
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    rank, io = group_rank(group), io or IOSettings.from_environment()
     snapshot = capture(target, step=step, meta=meta, rank=rank)
     if state_dict_type != "full":
         if frozen is not None:
             frozen.take(snapshot, target, run_id=meta["run_id"], group=group, thread_count=thread_count)
-        return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, on_commit=on_commit,
+        return write_snapshot(snapshot, ckpt_dir=ckpt_dir, group=group, thread_count=thread_count, io=io,
                               mirror=mirror, plans=plans)
 
     if "state" in snapshot.state:
@@ -333,24 +325,26 @@ def save_checkpoint(
                                   f"({', '.join(sorted(snapshot.state['state'])[:5])}); use the sharded type")
 
     def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # rank 0 gathers and writes safetensors
-        written = write_full(target, into, rank=rank, group=group)
+        written = write_full(target, into, rank=rank, group=group, io=io)
         return [written.get("files", {})], {"optimizer_param_groups": written.get("optimizer_param_groups")}
 
-    return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="full", write=write, on_commit=on_commit)
+    return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="full", write=write, io=io)
 
 
 def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup | None, thread_count: int = 1,
-                   on_commit: Callable[[CkptPath], None] | None = None,
-                   mirror: Mirror | None = None, plans: PlanCache | None = None) -> dict[str, Any]:
+                   io: IOSettings | None = None, mirror: Mirror | None = None,
+                   plans: PlanCache | None = None) -> dict[str, Any]:
     """Write a captured snapshot as a sharded checkpoint and commit it (collective over `group`).
     Safe to run on a background thread when `group` is used by nothing else meanwhile. A remote
     checkpoint's files are also written to `mirror`, if given (storage/mirror.py). The files go through
     io.hashing_writer, and each data file gets its item checksums (io.record_items; local only);
-    with `plans`, DCP reuses the previous save's plan where nothing changed."""
+    with `plans`, DCP reuses the previous save's plan where nothing changed. `io`: the I/O tunables
+    (default: the environment's)."""
+    io = io or IOSettings.from_environment()
 
     # every rank writes its shards through DCP
     def write(into: CkptPath) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        writer, fs = hashing_writer(into, thread_count=thread_count, mirror=mirror)
+        writer, fs = hashing_writer(into, thread_count=thread_count, io=io, mirror=mirror)
         try:
             with zip_crc32_off():
                 metadata = dcp.save(snapshot.state, storage_writer=writer, process_group=group,
@@ -362,7 +356,7 @@ def write_snapshot(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.Proce
         record_items(into, fs.files, metadata, covered=frozenset(checksummed_tensors(snapshot.state)))
         return _gather(fs.files, group), {}
 
-    return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="sharded", write=write, on_commit=on_commit)
+    return _commit(snapshot, ckpt_dir=ckpt_dir, group=group, kind="sharded", write=write, io=io)
 
 
 def _incoming(final: CkptPath) -> CkptPath:
@@ -379,7 +373,7 @@ def _prepare(final: CkptPath) -> CkptPath:
         swap_in(incoming, final)  # an earlier replacement committed but was not swapped in: finish it
     for stale in (incoming, final):
         if stale.exists() and not (stale / MANIFEST).is_file():
-            remove_tree(stale)  # an uncommitted attempt of this run (the directory is ours: see ownership)
+            stale.remove_tree()  # an uncommitted attempt of this run (the directory is ours: see ownership)
     return incoming if (final / MANIFEST).is_file() else final
 
 
@@ -392,12 +386,27 @@ def _agree(status: Any, group: tdist.ProcessGroup | None) -> Any:
     return box[0]
 
 
+def save_error(e: BaseException, *, doing: str, unfinished: str = "") -> CheckpointSaveError:
+    """The CheckpointSaveError every rank raises when `doing` (e.g. "saving <dir>") failed with `e`:
+    DCP's CheckpointException (a BaseException: wrapped so that callers' `except Exception` sees it),
+    a RuntimeError (a collective timed out or lost a peer: `unfinished` says what is left), or an
+    OSError (the disk: full, or not writable)."""
+    if isinstance(e, CheckpointException):
+        return CheckpointSaveError(f"{doing} failed on at least one rank; the previous checkpoint stays latest: {e}")
+    if isinstance(e, RuntimeError):
+        return CheckpointSaveError(f"{doing} failed: a rank died or stalled ({str(e).splitlines()[0]}); the previous "
+                                   f"checkpoint stays latest{unfinished}")
+    return CheckpointSaveError(f"{doing} failed ({e}); nothing was committed and the previous checkpoint stays "
+                               "latest. Free space or fix permissions, then resume")
+
+
 def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup | None, kind: str,
             write: Callable[[CkptPath], tuple[list[dict[str, Any]], dict[str, Any]]],
-            on_commit: Callable[[CkptPath], None] | None) -> dict[str, Any]:
+            io: IOSettings) -> dict[str, Any]:
     """Checksum the tensors, `write(dir)` the files ((files by rank, extra manifest fields)), then
     commit on rank 0 and tell every rank the outcome: all ranks succeed or all raise."""
-    rank = tdist.get_rank(group) if tdist.is_initialized() else 0
+    ckpt_dir = open_storage(ckpt_dir)
+    rank = group_rank(group)
     step = snapshot.step
     t0 = time.perf_counter()
     try:
@@ -416,7 +425,8 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
         into = _incoming(ckpt_dir) if prepared[1] else ckpt_dir
         t_prepared = time.perf_counter()
         (files_by_rank, extra), algorithm, tensors, timings = _write_and_hash(snapshot.state, lambda: write(into),
-                                                                              group=group, shares=snapshot.shares)
+                                                                              group=group, io=io,
+                                                                              shares=snapshot.shares)
         shared = snapshot.shared
         if shared is not None:
             if shared.algorithm != algorithm:
@@ -435,7 +445,7 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
                 "format_version": FORMAT_VERSION if shared is not None else FORMAT_VERSION_UNSHARED,
                 "step": step,
                 "committed_at": datetime.now(UTC).isoformat(),
-                "world_size": tdist.get_world_size(group) if tdist.is_initialized() else 1,
+                "world_size": group_size(group),
                 "state_dict_type": kind,
                 "versions": versions(),
                 **snapshot.meta,
@@ -448,29 +458,22 @@ def _commit(snapshot: Snapshot, *, ckpt_dir: CkptPath, group: tdist.ProcessGroup
                 **extra,
             }
             manifest["timings"]["total_s"] = time.perf_counter() - t0
-            failure = _publish(manifest, into=into, final=ckpt_dir, on_commit=on_commit)
+            failure = _publish(manifest, into=into, final=ckpt_dir)
         failure = _agree(failure, group)
         if failure is not None:
             raise CheckpointSaveError(failure)
         return manifest if manifest is not None else {"step": step, "bytes_per_rank": bytes_per_rank}
-    except CheckpointException as e:  # a BaseException: wrap so callers' `except Exception` sees it
-        raise CheckpointSaveError(f"saving {ckpt_dir} failed on at least one rank; the previous checkpoint "
-                                  f"stays latest: {e}") from e
-    except RuntimeError as e:  # a collective timed out or lost a peer
-        raise CheckpointSaveError(
-            f"saving {ckpt_dir} failed: a rank died or stalled ({str(e).splitlines()[0]}); "
-            f"the previous checkpoint stays latest and {ckpt_dir.name} has no {MANIFEST}"
-        ) from e
+    except (CheckpointException, RuntimeError) as e:  # an OSError here is rank 0's own, raised as it is
+        raise save_error(e, doing=f"saving {ckpt_dir}", unfinished=f" and {ckpt_dir.name} has no {MANIFEST}") from e
 
 
-def _publish(manifest: dict[str, Any], *, into: CkptPath, final: CkptPath,
-             on_commit: Callable[[CkptPath], None] | None) -> str | None:
-    """Rank 0: write the manifest (the commit), swap a replacement in, move `latest`, run
-    `on_commit`. Returns None, or why the checkpoint was not committed."""
+def _publish(manifest: dict[str, Any], *, into: CkptPath, final: CkptPath) -> str | None:
+    """Rank 0: write the manifest (the commit), swap a replacement in, move `latest`. Returns None,
+    or why the checkpoint was not committed."""
     try:
         write_manifest(into, manifest)
     except OSError as e:
-        remove_tree(into)  # this save's own uncommitted files: give the space back
+        into.remove_tree()  # this save's own uncommitted files: give the space back
         return (f"saving {final} failed: rank 0 could not write {into / MANIFEST} ({e}); nothing was committed and "
                 "the previous checkpoint stays latest. Free space or fix permissions, then resume")
     try:
@@ -480,6 +483,4 @@ def _publish(manifest: dict[str, Any], *, into: CkptPath, final: CkptPath,
     except OSError as e:  # committed (the manifest exists) but not in place: resolution still finds it
         log.warning("checkpoint %s is committed, but moving it into place or updating %s failed: %s",
                     into, final.parent / LATEST, e)
-    if on_commit is not None:
-        on_commit(final)
     return None

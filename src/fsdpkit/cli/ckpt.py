@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdpkit import tunables
-from fsdpkit.config.paths import check_url
+from fsdpkit.checkpoint.storage.urls import check_url
 from fsdpkit.config.schema import ExportConfig
 
 CKPT_PATH_HELP = ("a checkpoint directory (fsdpkit or plain DCP: .metadata + *.distcp; also as an s3:// URL, "

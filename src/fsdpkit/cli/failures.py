@@ -7,7 +7,7 @@ from __future__ import annotations
 import signal
 from typing import TYPE_CHECKING, Any
 
-from fsdpkit.checkpoint.resume import committed_candidates
+from fsdpkit.checkpoint.resolve import committed_candidates
 from fsdpkit.checkpoint.storage import open_storage
 
 if TYPE_CHECKING:

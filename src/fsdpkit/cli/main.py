@@ -150,13 +150,13 @@ def _launch_local(args: argparse.Namespace, cfg: Config) -> int:
 
 def _preempted(cfg: Config, what: str, *, since: datetime, otherwise: int = 1) -> int:
     """EXIT_PREEMPTED when the ranks committed a preemption checkpoint after `since`, else `otherwise`."""
+    from fsdpkit.checkpoint.catalog import follow_latest
     from fsdpkit.checkpoint.manifest import read_manifest
     from fsdpkit.checkpoint.storage import open_storage
-    from fsdpkit.export.locate import read_latest
 
     try:
         root = open_storage(cfg.checkpoint.dir, cfg.checkpoint.storage_options)
-        manifest = read_manifest(read_latest(root))  # a junk `latest` is no preemption checkpoint
+        manifest = read_manifest(follow_latest(root))  # a junk `latest` is no preemption checkpoint
     except (OSError, CheckpointError):
         manifest = {}
     if manifest.get("reason") == "preempted" and datetime.fromisoformat(manifest["committed_at"]) >= since:

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdpkit.checkpoint.layout import step_dir_name
+from fsdpkit.checkpoint.catalog import step_dir_name
+from fsdpkit.checkpoint.storage.urls import is_url
 from fsdpkit.config import check_world_size, compose_config
-from fsdpkit.config.paths import is_url
 from fsdpkit.parallel.policies import mixed_precision_policy
 from fsdpkit.train.metrics import read_records
 

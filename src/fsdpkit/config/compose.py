@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import re
-import signal
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -23,15 +22,20 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from fsdpkit.config.paths import check_url, is_url, refuse_url
+from fsdpkit.checkpoint.settings import (
+    REMOVED_KEYS,
+    check_one_of,
+    check_positive,
+    refuse_removed,
+    validate_checkpoint,
+)
+from fsdpkit.checkpoint.storage.urls import check_url, is_url, refuse_url
 from fsdpkit.config.schema import (
     MIXED_PRECISION_PRESETS,
     OVERLONG,
     PACKING,
-    REMOVED_KEYS,
     SHARDING_STRATEGIES,
     STATE_DICT_TYPES,
-    CheckpointConfig,
     Config,
     PeftConfig,
 )
@@ -144,24 +148,6 @@ def _lists_from_single_values(raw: DictConfig, schema: DictConfig) -> None:
 _ABSENT = object()
 
 
-def refuse_removed(key: str, *, fix: str | None = None) -> None:
-    """Raise ValueError when `key` (dotted) is a setting that was removed (schema.REMOVED_KEYS);
-    `fix` says how to stop setting it (default: delete it from the command line and config files)."""
-    if key in REMOVED_KEYS:
-        fix = fix or f"delete {key} from your command line and config files"
-        raise ValueError(f"config key '{key}' was removed: {REMOVED_KEYS[key]}; {fix}")
-
-
-def _one_of(key: str, value: object, allowed: Sequence[object]) -> None:
-    if value not in allowed:
-        raise ValueError(f"config key '{key}' is {value!r}; expected one of {', '.join(map(str, allowed))}")
-
-
-def _positive(key: str, value: float, *, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ValueError(f"config key '{key}' is {value}; it must be {'>= 0' if allow_zero else '> 0'}")
-
-
 def _refuse_unused_peft(peft: PeftConfig) -> None:
     """ValueError when LoRA settings differ from their defaults while model.peft.method=none: the
     run would be a full fine-tune that ignores them."""
@@ -179,11 +165,11 @@ def validate(cfg: Config) -> None:
     """Value checks the type system cannot express. World-size-dependent checks (a sample for every
     rank, HSDP groups) run in `check_world_size` as soon as the world size is known."""
     s, p, m, d, o, t = cfg.strategy, cfg.policy, cfg.model, cfg.data, cfg.optim, cfg.train
-    _one_of("strategy.sharding_strategy", s.sharding_strategy, SHARDING_STRATEGIES)
-    _one_of("strategy.state_dict_type", s.state_dict_type, STATE_DICT_TYPES)
-    _positive("strategy.hsdp_shard_size", s.hsdp_shard_size, allow_zero=True)
+    check_one_of("strategy.sharding_strategy", s.sharding_strategy, SHARDING_STRATEGIES)
+    check_one_of("strategy.state_dict_type", s.state_dict_type, STATE_DICT_TYPES)
+    check_positive("strategy.hsdp_shard_size", s.hsdp_shard_size, allow_zero=True)
     if isinstance(p.mixed_precision, str):
-        _one_of("policy.mixed_precision", p.mixed_precision, MIXED_PRECISION_PRESETS)
+        check_one_of("policy.mixed_precision", p.mixed_precision, MIXED_PRECISION_PRESETS)
     elif not (isinstance(p.mixed_precision, dict) and "_target_" in p.mixed_precision):
         raise ValueError(
             "config key 'policy.mixed_precision' must be a preset name "
@@ -194,11 +180,11 @@ def validate(cfg: Config) -> None:
             if path != "auto" and "." not in path:
                 raise ValueError(f"config key 'policy.{key}' entry {path!r} is not `auto` or a dotted class path "
                                  "(module.Class)")
-    _one_of("model.kind", m.kind, ("llama", "hf"))
+    check_one_of("model.kind", m.kind, ("llama", "hf"))
     if m.kind == "llama":
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                     "num_attention_heads", "num_key_value_heads"):
-            _positive(f"model.{key}", getattr(m, key))
+            check_positive(f"model.{key}", getattr(m, key))
         if m.hidden_size % m.num_attention_heads:
             raise ValueError("config key 'model.hidden_size' must be divisible by model.num_attention_heads")
         if m.num_attention_heads % m.num_key_value_heads:
@@ -214,18 +200,18 @@ def validate(cfg: Config) -> None:
             raise ValueError(f"model.init_from={m.init_from} and model.path={m.path} both name weights to start from; "
                              "model.path loads its own (model.pretrained=false for a random init): drop "
                              "model.init_from")
-    _one_of("model.attn_implementation", m.attn_implementation or "eager",
+    check_one_of("model.attn_implementation", m.attn_implementation or "eager",
             ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "paged_attention"))
-    _one_of("model.peft.method", m.peft.method, ("none", "lora"))
+    check_one_of("model.peft.method", m.peft.method, ("none", "lora"))
     _refuse_unused_peft(m.peft)
     if m.peft.method != "none":
         if m.kind != "hf":
             raise ValueError("model.peft.method=lora needs a transformers model (model.kind=hf, e.g. "
                              "model=hf_llama_tiny)")
-        _positive("model.peft.r", m.peft.r)
+        check_positive("model.peft.r", m.peft.r)
         if not m.peft.target_modules:
             raise ValueError("config key 'model.peft.target_modules' is empty; name the layers, e.g. [q_proj,v_proj]")
-    _one_of("data.kind", d.kind, ("synthetic", "tokens", "text", "hf"))
+    check_one_of("data.kind", d.kind, ("synthetic", "tokens", "text", "hf"))
     if d.kind == "hf":
         if not d.files:
             raise ValueError("data.kind=hf needs data.files=[path or glob, ...] (jsonl, json, parquet, csv or txt)")
@@ -234,36 +220,36 @@ def validate(cfg: Config) -> None:
         if not d.tokenizer:
             raise ValueError("data.kind=hf needs data.tokenizer=<folder of a Hugging Face tokenizer> (with model.path "
                              "it defaults to the model folder)")
-        _one_of("data.format", d.format, ("auto", "json", "parquet", "csv", "text"))
+        check_one_of("data.format", d.format, ("auto", "json", "parquet", "csv", "text"))
         d.packing = str(d.packing).lower()  # YAML and the command line give true/false as booleans
-        _one_of("data.packing", d.packing, PACKING)
-        _one_of("data.overlong", d.overlong, OVERLONG)
-        _positive("data.num_proc", d.num_proc)
-    _one_of("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
+        check_one_of("data.packing", d.packing, PACKING)
+        check_one_of("data.overlong", d.overlong, OVERLONG)
+        check_positive("data.num_proc", d.num_proc)
+    check_one_of("data.token_dtype", d.token_dtype, ("uint16", "uint32"))
     if d.kind in ("tokens", "text") and not d.path:
         raise ValueError(f"config key 'data.path' must name a file when data.kind={d.kind}")
-    _positive("data.seq_len", d.seq_len)
-    _positive("data.num_samples", d.num_samples)
+    check_positive("data.seq_len", d.seq_len)
+    check_positive("data.num_samples", d.num_samples)
     if not 0 < d.val_fraction < 1:
         raise ValueError(f"config key 'data.val_fraction' is {d.val_fraction}; it must lie strictly between 0 and 1")
-    _one_of("optim.schedule", o.schedule, ("cosine", "constant"))
-    _one_of("optim.impl", o.impl, ("auto", "fused", "foreach", "for_loop"))
+    check_one_of("optim.schedule", o.schedule, ("cosine", "constant"))
+    check_one_of("optim.impl", o.impl, ("auto", "fused", "foreach", "for_loop"))
     if len(o.betas) != 2:
         raise ValueError(f"config key 'optim.betas' needs two values, got {o.betas}")
-    _positive("optim.lr", o.lr)
-    _positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
+    check_positive("optim.lr", o.lr)
+    check_positive("optim.warmup_steps", o.warmup_steps, allow_zero=True)
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_every"):
-        _positive(f"train.{key}", getattr(t, key))
-    _positive("train.eval_every", t.eval_every, allow_zero=True)
-    _positive("train.stop_at", t.stop_at, allow_zero=True)
-    _positive("train.eval_samples", t.eval_samples, allow_zero=True)
-    _positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
-    _positive("train.grad_clip", t.grad_clip, allow_zero=True)
-    _positive("dist.timeout_s", cfg.dist.timeout_s)
-    _positive("dist.heartbeat_s", cfg.dist.heartbeat_s, allow_zero=True)
-    _positive("dist.slow_step_factor", cfg.dist.slow_step_factor, allow_zero=True)
+        check_positive(f"train.{key}", getattr(t, key))
+    check_positive("train.eval_every", t.eval_every, allow_zero=True)
+    check_positive("train.stop_at", t.stop_at, allow_zero=True)
+    check_positive("train.eval_samples", t.eval_samples, allow_zero=True)
+    check_positive("train.loss_chunk_tokens", t.loss_chunk_tokens, allow_zero=True)
+    check_positive("train.grad_clip", t.grad_clip, allow_zero=True)
+    check_positive("dist.timeout_s", cfg.dist.timeout_s)
+    check_positive("dist.heartbeat_s", cfg.dist.heartbeat_s, allow_zero=True)
+    check_positive("dist.slow_step_factor", cfg.dist.slow_step_factor, allow_zero=True)
     validate_checkpoint(cfg.checkpoint, state_dict_type=s.state_dict_type)
-    _positive("diagnostics.memory_steps", cfg.diagnostics.memory_steps, allow_zero=True)
+    check_positive("diagnostics.memory_steps", cfg.diagnostics.memory_steps, allow_zero=True)
     if cfg.diagnostics.skew_warn_ratio < 1:
         raise ValueError(f"config key 'diagnostics.skew_warn_ratio' is {cfg.diagnostics.skew_warn_ratio}; it must be "
                          ">= 1")
@@ -282,13 +268,13 @@ def validate(cfg: Config) -> None:
                          "`fsdpkit ckpt export` on a local copy")
     if m.init_from and not (m.init_from.startswith("hf:") and len(m.init_from) > 3):
         raise ValueError(f"config key 'model.init_from' is {m.init_from!r}; use hf:<directory of safetensors> or ''")
-    _one_of("export.dtype", cfg.export.dtype, ("bf16", "fp16", "fp32"))
-    _one_of("export.format", cfg.export.format, ("hf", "single"))
+    check_one_of("export.dtype", cfg.export.dtype, ("bf16", "fp16", "fp32"))
+    check_one_of("export.format", cfg.export.format, ("hf", "single"))
     if cfg.export.on_finish and not cfg.checkpoint.save_at_end:
         raise ValueError("export.on_finish exports the final checkpoint: set checkpoint.save_at_end=true "
                          "(or export later with `fsdpkit ckpt export`)")
-    _one_of("device", cfg.device, ("auto", "cpu", "cuda"))
-    _one_of("backend", cfg.backend, ("auto", "gloo", "nccl"))
+    check_one_of("device", cfg.device, ("auto", "cpu", "cuda"))
+    check_one_of("backend", cfg.backend, ("auto", "gloo", "nccl"))
 
 
 def check_world_size(cfg: Config, world_size: int, *, local_world_size: int | None = None) -> None:
@@ -316,10 +302,6 @@ def check_world_size(cfg: Config, world_size: int, *, local_world_size: int | No
 def to_yaml(cfg: Config) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
 
-# fsspec/s3fs option names that carry secrets (never in a config that every checkpoint records)
-CREDENTIAL_KEYS = frozenset({"key", "secret", "token", "password", "aws_access_key_id", "aws_secret_access_key",
-                             "aws_session_token", "account_key", "sas_token", "connection_string"})
-
 
 def _refuse_overlap(setting: str, value: str, others: dict[str, tuple[str, bool]]) -> None:
     """ValueError when the local directory `value` is, contains or (unless the other's flag allows
@@ -333,46 +315,3 @@ def _refuse_overlap(setting: str, value: str, others: dict[str, tuple[str, bool]
         if mine == theirs or mine in theirs.parents or (theirs in mine.parents and not may_hold):
             raise ValueError(f"{setting}={value} overlaps {name}={other}; give it a directory of its own "
                              "(e.g. /local/nvme/<run>/checkpoints)")
-
-
-def validate_checkpoint(ck: CheckpointConfig, *, state_dict_type: str = "sharded") -> None:
-    """The checkpoint settings on their own (the Checkpointer API checks them too); ValueError naming the key."""
-    _one_of("checkpoint.resume_mode", ck.resume_mode, ("full", "model_only"))
-    _one_of("checkpoint.existing", ck.existing, ("error", "archive"))
-    _positive("checkpoint.every_steps", ck.every_steps, allow_zero=True)
-    _positive("checkpoint.timeout_s", ck.timeout_s)
-    _positive("checkpoint.thread_count", ck.thread_count)
-    _positive("checkpoint.every_minutes", ck.every_minutes, allow_zero=True)
-    _positive("checkpoint.exception_timeout_s", ck.exception_timeout_s)
-    for key in ("keep_last", "keep_every", "keep_best"):
-        _positive(f"checkpoint.{key}", getattr(ck, key), allow_zero=True)
-    _one_of("checkpoint.keep_best_mode", ck.keep_best_mode, ("min", "max"))
-    _one_of("checkpoint.async_staging", ck.async_staging, ("blocking", "background"))
-    if ck.async_staging == "background" and not ck.async_save:
-        raise ValueError("checkpoint.async_staging=background stages an async save in the background, and "
-                         "checkpoint.async_save is off; set checkpoint.async_save=true, or leave "
-                         "async_staging=blocking")
-    for setting, value in (("checkpoint.dir", ck.dir), ("checkpoint.resume", ck.resume)):
-        check_url(value, setting=setting)
-    if is_url(ck.dir) and state_dict_type != "sharded":
-        raise ValueError(f"checkpoint.dir={ck.dir} is a URL: object storage takes sharded checkpoints only "
-                         "(strategy.state_dict_type=sharded)")
-    if ck.local_dir:
-        refuse_url(ck.local_dir, setting="checkpoint.local_dir")
-        if not is_url(ck.dir):
-            raise ValueError(f"checkpoint.local_dir={ck.local_dir} keeps a local copy of checkpoints on object "
-                             f"storage, and checkpoint.dir={ck.dir} is local already; set checkpoint.dir to a URL "
-                             "(s3://bucket/prefix) or leave checkpoint.local_dir empty")
-    if not isinstance(ck.storage_options, dict | DictConfig):
-        raise ValueError(f"config key 'checkpoint.storage_options' must be a mapping, got {ck.storage_options!r}")
-    if secrets := sorted(k for k in ck.storage_options if str(k).lower() in CREDENTIAL_KEYS):
-        raise ValueError(f"checkpoint.storage_options holds credentials ({', '.join(secrets)}); the resolved config "
-                         "is saved with every checkpoint, so credentials come from the environment (AWS_ACCESS_KEY_ID, "
-                         "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or a profile (storage_options.profile) only")
-    for name in ck.preemption_signals:
-        if (name if name.startswith("SIG") else f"SIG{name}") not in signal.Signals.__members__:
-            raise ValueError(f"config key 'checkpoint.preemption_signals' names an unknown signal {name!r}; "
-                             "use names such as SIGTERM or SIGUSR1")
-    if ck.async_save and state_dict_type != "sharded":
-        raise ValueError("checkpoint.async_save needs strategy.state_dict_type=sharded (a full state dict is "
-                         "gathered with collectives on the training ranks, which cannot run in the background)")

@@ -22,14 +22,17 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def iter_options(cls: type = schema.Config, prefix: str = ""):
-    """Yield (dotted key, type, default, doc) for every leaf option of the schema."""
+def iter_options(cls: type = schema.Config, prefix: str = "", *, defaults: object | None = None):
+    """Yield (dotted key, type, default, doc) for every leaf option of the schema. A group's
+    defaults are those of the instance its parent's field makes (`defaults`), which may differ
+    from its class's own (the checkpoint library's `dir` has none; the trainer's is under run_dir)."""
     docs = field_docs(cls)
+    defaults = cls() if defaults is None else defaults
     for f in dataclasses.fields(cls):
         key = f"{prefix}{f.name}"
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        default = getattr(defaults, f.name)
         if dataclasses.is_dataclass(default):
-            yield from iter_options(type(default), prefix=f"{key}.")
+            yield from iter_options(type(default), prefix=f"{key}.", defaults=default)
         else:
             yield key, str(f.type), default, docs.get(f.name, "")
 

@@ -3,7 +3,8 @@ config docs` prints them and the docs' config reference is generated from them.
 
 YAML files under `conf/` layer values on top of these defaults (see compose.py); anything a
 YAML file or an override sets that is not declared here is rejected when the config is
-composed, before any process starts.
+composed, before any process starts. The `checkpoint` group is the checkpoint library's own
+settings class (fsdpkit.checkpoint.settings.CheckpointConfig), documented and validated there.
 """
 
 from __future__ import annotations
@@ -11,17 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdpkit.checkpoint.settings import CheckpointConfig
+
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 STATE_DICT_TYPES = ("sharded", "full")
 MIXED_PRECISION_PRESETS = ("fp32", "bf16-mixed", "bf16-true")
 PACKING = ("true", "false", "concat")
 OVERLONG = ("truncate", "drop", "split")
-REMOVED_KEYS = {
-    "checkpoint.io": "every load now reads with DCP's own reader, checking every file's checksums "
-                     "(checkpoint.verify_checksums)",
-}
-"""Keys that were settings once, with what replaced them: a config that still sets one is refused
-with a sentence naming the key and saying so (compose.py; the Checkpointer's keyword settings too)."""
 
 
 @dataclass
@@ -298,104 +295,6 @@ class DistConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """When and how to save, and what to resume from."""
-
-    dir: str = "${run_dir}/checkpoints"
-    """Root of this run's checkpoints: step_<N>/ directories and the `latest` pointer. A local path,
-    or an object-storage URL (s3://bucket/prefix; needs the `remote` extra): the same commit rule
-    holds there, see docs/how-to/object-storage.md."""
-    storage_options: dict[str, Any] = field(default_factory=dict)
-    """fsspec options for URL checkpoint paths (dir, resume; and a URL export.dir that export.on_finish
-    uploads to), e.g. {endpoint_url: http://host:9000} for an S3-compatible store, or {profile: name}.
-    Credentials come from the environment (AWS_*, AWS_ENDPOINT_URL, profiles), never from a checkpoint:
-    credential options (key, secret, token, ...) are refused here, since the resolved config is saved
-    with every checkpoint."""
-    local_dir: str = ""
-    """With a URL checkpoint.dir: a node-local directory that keeps a copy of every checkpoint this
-    node writes, for the fastest restart on the same node. The bucket stays the source of truth (a
-    checkpoint is committed when its remote manifest exists); a restart reads the local copy when
-    its manifest equals the remote one byte for byte and every file is there, else the bucket. One
-    node and one run per directory; '' (default): no copy. See docs/how-to/object-storage.md."""
-    every_steps: int = 0
-    """Save every this many optimizer steps (0: not by step count)."""
-    every_minutes: float = 0.0
-    """Also save when this many minutes passed since the last save started (0: not by time). All
-    ranks agree on the step, so clocks that differ between nodes are harmless."""
-    save_at_end: bool = True
-    """Save when training reaches train.max_steps."""
-    resume: str = "auto"
-    """`auto`: the newest committed, intact checkpoint under `dir` (on_exception when it is newer),
-    or a fresh start if there is none. `none`: always start fresh. A path: that checkpoint, which
-    must be committed and intact."""
-    resume_mode: str = "full"
-    """`full`: restore everything (model, optimizer, schedule, counters, data cursor, RNG).
-    `model_only`: weights only; optimizer, schedule, counters and data start from zero."""
-    existing: str = "error"
-    """What a run that does not continue the run in `dir` (resume=none, resume_mode=model_only, or
-    a resume from elsewhere) does when `dir` holds that other run's committed checkpoints: `error`
-    (stop before the first step and say so) or `archive` (move them to `dir`/archive/<time>/).
-    Nothing is ever deleted; two runs never share a directory."""
-    verify_checksums: bool = True
-    """Check every byte a resume uses against the manifest's checksums, and refuse corrupt files:
-    with verify_on_load, from the load's own read (each file read once: `.metadata` and every item
-    checked before they are decoded, the tensors' values by verify_on_load); otherwise, and for
-    files without item checksums, in a pass over the files (spread over ranks) before the load reads
-    them. With resume=auto a corrupt newest checkpoint is moved aside and the next older one loaded
-    over whatever it had loaded."""
-    verify_on_load: bool = True
-    """After loading, compare per-tensor checksums and optimizer step counts with the manifest
-    (with verify_checksums, this is what proves the tensors' values read in the one read)."""
-    timeout_s: float = 600.0
-    """Bound on every collective around a save or load: a dead or stuck rank fails the save on
-    all ranks after this long instead of hanging them."""
-    thread_count: int = 1
-    """Writer threads per rank (DCP FileSystemWriter)."""
-    share_frozen: bool = True
-    """Write frozen weights once: parameters with requires_grad=False that the optimizer does not
-    hold (a LoRA base, a frozen encoder) go to `dir`/shared/<name>/ at the run's first save, and
-    later checkpoints reference them while their checksums (recomputed at every save) are
-    unchanged. Retention never removes a referenced directory; resume, verify and export follow
-    the references. Not with local_dir, state_dict_type=full or on_exception saves (those write
-    everything). false: every checkpoint holds every tensor."""
-    async_save: bool = False
-    """Save in the background (`checkpoint.async` is accepted as an alias): the step blocks only
-    while the state is copied into a reused host buffer (pinned on CUDA); writing, checksums and the
-    commit follow on a background thread, and `latest` moves once every rank committed. At most one
-    save is in flight; a failed background save stops training at the next step on every rank.
-    Needs strategy.state_dict_type=sharded."""
-    async_staging: str = "blocking"
-    """With async_save, when the state is copied into the host buffer: `blocking` (the save step
-    waits for the copy) or `background` (the copy too runs on the background thread; the next
-    optimizer step waits for it if it is not done, so the checkpoint is still the state at its step).
-    `background` applies to state in host memory (CPU training); on an accelerator the
-    device-to-host copy always blocks (it is fast)."""
-    keep_last: int = 0
-    """Retention: keep the newest this many checkpoints. Retention is on when any keep_* is > 0;
-    a checkpoint survives when any rule keeps it. The newest committed checkpoint, checkpoints
-    being written and on_exception are never deleted, and deletion happens only after a newer
-    checkpoint committed. All zero: keep everything."""
-    keep_every: int = 0
-    """Retention: also keep every checkpoint whose step is a multiple of this."""
-    keep_best: int = 0
-    """Retention: also keep the best this many checkpoints by keep_best_metric (checkpoints saved
-    at a step without that metric do not compete)."""
-    keep_best_metric: str = "val_loss"
-    """The metric keep_best ranks by, as logged at the save step (val_loss, loss, ...)."""
-    keep_best_mode: str = "min"
-    """`min` or `max`: whether a smaller or a larger keep_best_metric is better."""
-    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
-    """Signals that mean "about to be killed": every rank saves at the next step boundary, commits
-    and exits with code 75 (resume with the same command). A second signal exits at once. []: off."""
-    on_exception: bool = True
-    """When the loop raises, save to on_exception/ if every rank can still take part (agreed within
-    exception_timeout_s on a separate gloo group) and the state is at a step boundary; then
-    re-raise the original error."""
-    exception_timeout_s: float = 60.0
-    """How long ranks wait for each other to agree on an on_exception save before giving up."""
-
-
-@dataclass
 class DiagnosticsConfig:
     """What FSDP2 applied, setup checks, and memory per phase (rank 0 logs; diagnostics.json)."""
 
@@ -476,8 +375,8 @@ class Config:
     """Optimizer and schedule."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The loop."""
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    """Saving and resuming."""
+    checkpoint: CheckpointConfig = field(default_factory=lambda: CheckpointConfig(dir="${run_dir}/checkpoints"))
+    """Saving and resuming (the checkpoint library's own settings, fsdpkit.checkpoint.settings)."""
     diagnostics: DiagnosticsConfig = field(default_factory=DiagnosticsConfig)
     """Diagnostics of the FSDP set-up."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)

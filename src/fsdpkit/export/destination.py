@@ -16,12 +16,14 @@ Two rules keep an export from destroying what it did not write:
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.layout import CHECKPOINTS, LATEST
+from fsdpkit.checkpoint.storage import open_storage
 from fsdpkit.export.hf_folder import CHAT_TEMPLATES_DIR, TOKENIZER_FILES
 from fsdpkit.hf.safetensors_reader import INDEX_FILE, SINGLE_FILE, read_header
 
@@ -36,13 +38,14 @@ def exported_by_value(version: str) -> str:
     return f"fsdpkit {version}"
 
 
-def protected_paths(source: Path, *, run_dirs: Sequence[Path] = ()) -> list[tuple[str, Path, bool]]:
+def protected_paths(source: str | os.PathLike, *, run_dirs: Sequence[Path] = ()) -> list[tuple[str, Path, bool]]:
     """(what, path, inside_allowed) for everything an export of the checkpoint `source` must not
     overlap: the checkpoint itself, its checkpoints root when it lies in one (a parent holding
     `latest` or named `checkpoints`), the run directory above a `checkpoints` root, and the run
     directories the caller knows (training passes its own)."""
     known = [("the run directory", Path(d), True) for d in run_dirs]
-    if not isinstance(source, Path):
+    source = open_storage(source).local_path()
+    if source is None:
         return known  # a checkpoint on object storage: no local output can overlap it
     found = [("the source checkpoint", source, False)]
     root = source.parent

@@ -1,9 +1,10 @@
 """Which checkpoint a path names, as the offline tools (export, inspect, verify, diff) see it.
 
 A path is a checkpoint directory, a `.safetensors` file, or a checkpoints root or run directory
-whose `latest` pointer names the checkpoint. `latest` is checked before it is followed: it must be
-one line of text naming a directory beside it. A directory that fsdpkit would have committed but
-that has no manifest.json is an uncommitted fsdpkit checkpoint, never a plain DCP one.
+whose `latest` pointer names the checkpoint. `latest` is checked before it is followed
+(catalog.follow_latest): it must be one line of text naming a directory beside it. A directory
+that fsdpkit would have committed but that has no manifest.json is an uncommitted fsdpkit
+checkpoint, never a plain DCP one.
 
 Other tools' folders are found too, each with a note saying what was picked: Accelerate's
 `save_state` folder (the model in `pytorch_model_fsdp_0/`, the optimizer in `optimizer_0/`) and
@@ -18,42 +19,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.checkpoint.layout import CHECKPOINTS, LATEST, MANIFEST, ON_EXCEPTION, STEP_DIR
+from fsdpkit.checkpoint.catalog import STEP_DIR, follow_latest
+from fsdpkit.checkpoint.layout import CHECKPOINTS, LATEST, MANIFEST, ON_EXCEPTION
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME
 from fsdpkit.checkpoint.storage import open_storage
-
-
-class LatestPointerError(CheckpointCorruptError):
-    """A `latest` pointer that is not one line naming a checkpoint directory beside it."""
-
-
-def read_latest(root: Path) -> Path:
-    """The checkpoint directory that `root/latest` names.
-
-    Raises:
-        LatestPointerError: `latest` is empty, binary, more than one name, names something outside
-            `root`, or names a directory that does not exist; the message names the file, what
-            is wrong with it and how to fix it.
-    """
-    pointer = root / LATEST
-    raw = pointer.read_bytes()
-    fix = (f"it should hold the name of a checkpoint directory in {root} (such as step_200): write the right "
-           f"name into it (echo step_N > {pointer}) or pass a checkpoint directory instead of {root}")
-    try:
-        name = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise LatestPointerError(f"{pointer} is not text ({len(raw)} bytes of binary data); {fix}") from None
-    if not name:
-        raise LatestPointerError(f"{pointer} is empty; {fix}")
-    if not name.isprintable():
-        raise LatestPointerError(f"{pointer} holds {name[:80]!r}, not one directory name; {fix}")
-    if name in (".", "..") or Path(name).name != name:
-        raise LatestPointerError(f"{pointer} names {name!r}, which lies outside {root}; {fix}")
-    target = root / name
-    if not target.is_dir():
-        raise LatestPointerError(f"{pointer} names {name}, which does not exist in {root}; {fix}")
-    return target
 
 
 def is_uncommitted_fsdpkit_dir(p: Path) -> bool:
@@ -155,7 +124,7 @@ def locate_checkpoint(path: str | os.PathLike, *, part: str = "model") -> Locate
         return found
     for root in (p, p / CHECKPOINTS):
         if (root / LATEST).is_file():
-            return Located(read_latest(root))
+            return Located(follow_latest(root))
     if is_uncommitted_fsdpkit_dir(p):
         return Located(p)
     for root in (p, p / CHECKPOINTS):
@@ -172,7 +141,3 @@ def locate_checkpoint(path: str | os.PathLike, *, part: str = "model") -> Locate
         "(pytorch_model_fsdp_0/), a folder of checkpoint directories, a Hugging Face folder or a .safetensors file"
     )
 
-
-def resolve_checkpoint_dir(path: str | os.PathLike) -> Path:
-    """`locate_checkpoint(path).path`: the model's checkpoint directory or file."""
-    return locate_checkpoint(path).path

@@ -68,7 +68,7 @@ def check_destination(dest: RemotePath, *, fmt: str, overwrite: bool, source: st
     Raises:
         ValueError: `dest` overlaps the source, or holds something that may not be replaced.
     """
-    if not isinstance(dest, RemotePath):
+    if not is_url(dest):
         raise ValueError(f"{dest} is not a URL")
     _check_no_overlap(dest, source)
     old = _existing(dest, fmt=fmt)
@@ -88,8 +88,10 @@ def _existing(dest: RemotePath, *, fmt: str) -> list[RemotePath]:
 
 
 def _check_no_overlap(dest: RemotePath, source: str | Path) -> None:
+    if not is_url(source):
+        return
     src = open_storage(source)
-    if not isinstance(src, RemotePath) or type(src.fs) is not type(dest.fs):
+    if type(src.fs) is not type(dest.fs):
         return
     a, b = dest.key.rstrip("/") + "/", src.key.rstrip("/") + "/"
     if a.startswith(b) or b.startswith(a):

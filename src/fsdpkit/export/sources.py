@@ -34,13 +34,12 @@ from fsdpkit.checkpoint.safe_io import (
     SafeLoadPlanner,
     read_dcp_metadata,
 )
-from fsdpkit.checkpoint.storage import RemotePath, open_storage
+from fsdpkit.checkpoint.storage import RangeReader, StoragePath, open_storage
 from fsdpkit.export.locate import (
     is_uncommitted_fsdpkit_dir,
     locate_checkpoint,
     not_committed_message,
 )
-from fsdpkit.fileio import pread_into
 from fsdpkit.hf.safetensors_reader import SafetensorsReader, safetensors_files
 
 FULL_MODEL_FILE = "model.safetensors"  # what strategy.state_dict_type=full writes (checkpoint/full.py)
@@ -109,14 +108,6 @@ def _as_bytes(t: torch.Tensor):
     return t.reshape(-1).view(torch.uint8).numpy()
 
 
-def _ranged_get_into(obj: RemotePath, t: torch.Tensor, offset: int, *, what: str) -> None:
-    """Ranged GETs of an object on object storage, straight into `t`'s memory."""
-    view = memoryview(_as_bytes(t))
-    done = obj.read_range_into(view, offset)
-    if done < len(view):
-        raise CheckpointCorruptError(f"{what}: the object ends {len(view) - done} bytes early (truncated)")
-
-
 @dataclass
 class Chunk:
     offsets: tuple[int, ...]
@@ -162,8 +153,8 @@ class DcpSource:
 
     kind = "dcp"
 
-    def __init__(self, path: Path | RemotePath, *, metadata: Metadata | None = None,
-                 files: dict[str, Path | RemotePath] | None = None) -> None:
+    def __init__(self, path: StoragePath, *, metadata: Metadata | None = None,
+                 files: dict[str, StoragePath] | None = None) -> None:
         self.path = open_storage(path)  # a local Path, or a RemotePath: rows come by ranged GETs
         self.metadata = metadata if metadata is not None else read_dcp_metadata(self.path)
         self.elsewhere = files or {}  # relative paths of files outside `path` (with_shared): where they are
@@ -173,6 +164,7 @@ class DcpSource:
                          for k, md in self.metadata.state_dict_metadata.items()
                          if isinstance(md, TensorStorageMetadata)}
         self._files: dict[str, Any] = {}
+        self._ranges: dict[str, RangeReader] = {}
         self._payloads: dict[tuple[str, tuple[int, ...]], TensorPayload] = {}
         self._whole: tuple[str, torch.Tensor] | None = None  # the last tensor assembled whole
         # read_rows may run on several threads: data is read with pread (no shared file position),
@@ -259,14 +251,21 @@ class DcpSource:
         return out
 
     def _read_into(self, relative: str, t: torch.Tensor, offset: int, *, what: str) -> None:
-        if isinstance(self.path, RemotePath):
-            self._file(relative)  # a missing object fails here, named
-            _ranged_get_into(self.elsewhere.get(relative) or self.path / relative, t, offset, what=what)
-        else:
-            # pread: no shared file position, so threads may read one file at once
-            missing = t.nbytes - pread_into(self._file(relative).fileno(), memoryview(_as_bytes(t)), offset)
-            if missing:
-                raise CheckpointCorruptError(f"{what}: the file ends {missing} bytes early (truncated)")
+        """Read `t.nbytes` bytes at `offset` of the file into contiguous `t` (positional reads
+        locally, ranged GETs on object storage: threads may read one file at once)."""
+        ranges = self._ranges_of(relative)
+        view = memoryview(_as_bytes(t))
+        missing = len(view) - ranges.read_into(view, offset)
+        if missing:
+            raise CheckpointCorruptError(f"{what}: the {ranges.noun} ends {missing} bytes early (truncated)")
+
+    def _ranges_of(self, relative: str) -> RangeReader:
+        with self._lock:
+            if relative not in self._ranges:
+                self._open(relative)  # a missing file fails here, named
+                path = self.elsewhere.get(relative) or self.path / relative
+                self._ranges[relative] = open_storage(path).open_ranges()
+            return self._ranges[relative]
 
     def _is_row_split(self, key: str, chunks: list[Chunk]) -> bool:
         size = self._tensors[key].shape
@@ -302,9 +301,10 @@ class DcpSource:
         return self._whole[1]
 
     def close(self) -> None:
-        for f in self._files.values():
+        for f in [*self._files.values(), *self._ranges.values()]:
             f.close()
         self._files.clear()
+        self._ranges.clear()
         self._whole = None
 
 
@@ -441,7 +441,7 @@ def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct", part: st
     p, notes = located.path, located.notes
     if is_uncommitted_fsdpkit_dir(p):
         raise CheckpointError(not_committed_message(p))
-    if isinstance(p, RemotePath) and not (p / METADATA_FILENAME).is_file():
+    if p.local_path() is None and not (p / METADATA_FILENAME).is_file():
         raise CheckpointError(f"{p}: only DCP checkpoints (fsdpkit's sharded ones included) are read from object "
                               "storage; copy safetensors and full-state checkpoints to a local directory first")
     if p.is_file():
@@ -457,8 +457,8 @@ def open_checkpoint(path: str | os.PathLike, *, reader: str = "direct", part: st
     return OpenedCheckpoint(p, "safetensors", SafetensorsSource(p), notes=notes)
 
 
-def _dcp_source(p: Path | RemotePath, reader: str, manifest: dict[str, Any] | None = None) -> Any:
-    if reader == "dcp" and isinstance(p, RemotePath):
+def _dcp_source(p: StoragePath, reader: str, manifest: dict[str, Any] | None = None) -> Any:
+    if reader == "dcp" and p.local_path() is None:
         raise ValueError(f"{p}: the `dcp` reader reads local checkpoints only; use the default `direct` reader")
     if manifest is not None and manifest.get(SHARED):
         if reader == "dcp":
@@ -468,12 +468,12 @@ def _dcp_source(p: Path | RemotePath, reader: str, manifest: dict[str, Any] | No
     return DcpSource(p) if reader == "direct" else DcpLoadSource(p)
 
 
-def with_shared(p: Path | RemotePath, manifest: dict[str, Any]) -> DcpSource:
+def with_shared(p: StoragePath, manifest: dict[str, Any]) -> DcpSource:
     """A DcpSource of an fsdpkit checkpoint that references shared frozen tensors
     (checkpoint/frozen.py): its metadata with each referenced key's entries added, their files
     named `shared/<name>/<file>` and found in the referenced directory."""
     metadata = read_dcp_metadata(p)
-    elsewhere: dict[str, Path | RemotePath] = {}
+    elsewhere: dict[str, StoragePath] = {}
     for ref in manifest[SHARED]:
         directory = shared_root(p) / ref["dir"]
         theirs = read_dcp_metadata(directory)

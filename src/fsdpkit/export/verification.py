@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
 from fsdpkit import tunables
+from fsdpkit.checkpoint.catalog import LatestPointerError
 from fsdpkit.checkpoint.errors import CheckpointError
 from fsdpkit.checkpoint.frozen import SHARED, file_sets
 from fsdpkit.checkpoint.hashing import LINEAR, MASK64, hash_part
@@ -41,7 +42,6 @@ from fsdpkit.checkpoint.resume import verify_files
 from fsdpkit.checkpoint.safe_io import METADATA_FILENAME, read_dcp_metadata
 from fsdpkit.export.locate import (
     ACCELERATE_MODEL,
-    LatestPointerError,
     accelerate_part,
     is_uncommitted_fsdpkit_dir,
     locate_checkpoint,

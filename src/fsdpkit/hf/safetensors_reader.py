@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import threading
 from collections.abc import Sequence
@@ -25,8 +24,7 @@ from pathlib import Path
 import torch
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.checkpoint.storage import RemotePath
-from fsdpkit.fileio import pread_into
+from fsdpkit.checkpoint.storage import RangeReader, StoragePath, open_storage
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -55,7 +53,7 @@ def read_header(path: Path) -> Header:
         FileNotFoundError: no such file.
         CheckpointCorruptError: not a safetensors file, or truncated.
     """
-    with path.open("rb") as f:  # a local Path, or a RemotePath (two ranged reads)
+    with path.open("rb") as f:  # a local file, or an object (two ranged reads)
         head = f.read(8)
         if len(head) != 8:
             raise CheckpointCorruptError(f"{path} is not a safetensors file (shorter than 8 bytes)")
@@ -129,9 +127,9 @@ class SafetensorsReader:
             tensor of the same name (which one a loader took would depend on the order it read them).
     """
 
-    def __init__(self, files: Sequence[Path | RemotePath]) -> None:
-        self._headers: dict[Path | RemotePath, Header] = {}
-        self._where: dict[str, Path | RemotePath] = {}
+    def __init__(self, files: Sequence[Path | StoragePath]) -> None:
+        self._headers: dict[Path | StoragePath, Header] = {}
+        self._where: dict[str, Path | StoragePath] = {}
         for file in files:
             self._headers[file] = header = read_header(file)
             for name in header.tensors:
@@ -140,14 +138,14 @@ class SafetensorsReader:
                         f"{name} is in both {self._where[name]} and {file}; a model folder holds each tensor once: "
                         "remove the stale file (or the index entry that names it)")
                 self._where[name] = file
-        self._fds: dict[Path, int] = {}
+        self._ranges: dict[Path | StoragePath, RangeReader] = {}
         self._lock = threading.Lock()  # opening a file; reads themselves are positional
 
     def tensors(self) -> dict[str, tuple[torch.dtype, list[int]]]:
         """name -> (dtype, shape) of every tensor, file by file in the order given."""
         return {name: self._entry(name)[:2] for name in self._where}
 
-    def file_of(self, name: str) -> Path | RemotePath:
+    def file_of(self, name: str) -> Path | StoragePath:
         return self._where[name]
 
     def read_rows(self, name: str, start: int, stop: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -180,20 +178,18 @@ class SafetensorsReader:
     def _entry(self, name: str) -> tuple[torch.dtype, list[int], int, int]:
         return self._headers[self._where[name]].tensors[name]
 
-    def _read_into(self, file: Path | RemotePath, view: memoryview, offset: int) -> int:
-        if isinstance(file, RemotePath):
-            return file.read_range_into(view, offset)
+    def _read_into(self, file: Path | StoragePath, view: memoryview, offset: int) -> int:
         with self._lock:
-            if file not in self._fds:
-                self._fds[file] = os.open(file, os.O_RDONLY)
-            fd = self._fds[file]
-        return pread_into(fd, view, offset)
+            if file not in self._ranges:
+                self._ranges[file] = open_storage(file).open_ranges()
+            ranges = self._ranges[file]
+        return ranges.read_into(view, offset)
 
     def close(self) -> None:
         with self._lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+            for ranges in self._ranges.values():
+                ranges.close()
+            self._ranges.clear()
 
     def __enter__(self) -> SafetensorsReader:
         return self

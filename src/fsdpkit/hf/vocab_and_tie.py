@@ -1,5 +1,5 @@
 """A Hugging Face folder's vocabulary size and tying, from its config.json, against the model's
-own (fsdpkit.model.embeddings): a folder whose weights a model is about to load must agree on both,
+own (fsdpkit.checkpoint.embeddings): a folder whose weights a model is about to load must agree on both,
 or its embedding would be cut or its head silently shared."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
+from fsdpkit.checkpoint.embeddings import tying_words, vocab_and_tie
 from fsdpkit.hf.config_json import decode_special_floats
-from fsdpkit.model.embeddings import tying_words, vocab_and_tie
 
 
 def folder_vocab_and_tie(folder_config: dict[str, Any]) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdpkit.checkpoint.errors import CheckpointMismatchError
 from fsdpkit.checkpoint.manifest import dtype_name
-from fsdpkit.checkpoint.storage import RemotePath, open_storage
+from fsdpkit.checkpoint.storage import StoragePath, open_storage
 from fsdpkit.hf.buffers import init_buffers
 from fsdpkit.hf.conversions import ConverterGroup, plan_conversions
 from fsdpkit.hf.safetensors_reader import SafetensorsReader, safetensors_files
@@ -106,7 +106,7 @@ class _Match:
 
 
 def _match(model: nn.Module, reader: SafetensorsReader, params: dict[str, torch.Tensor], *, grow_rows: bool,
-           where: Path | RemotePath) -> _Match:
+           where: Path | StoragePath) -> _Match:
     """The plan of every copy, or CheckpointMismatchError listing every problem (nothing loaded)."""
     files = reader.tensors()
     aliases = _aliases(params)

@@ -185,5 +185,13 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.model(input_ids, position_ids)
         return self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)
 
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The token embedding, asked for as transformers models are (fsdpkit.checkpoint.embeddings)."""
+        return self.model.embed_tokens
+
+    def get_output_embeddings(self) -> nn.Linear:
+        """The vocabulary projection, asked for as transformers models are."""
+        return self.lm_head
+
     def reset_nonpersistent_buffers(self) -> None:
         self.model.rotary_emb.reset_inv_freq()

@@ -15,7 +15,6 @@ The order is fixed and matters (as in torchtitan):
 from __future__ import annotations
 
 import dataclasses
-import os
 import types
 from dataclasses import dataclass
 from typing import Any
@@ -60,8 +59,7 @@ class ShardingPlan:
 
 
 def build_mesh(cfg: Config, device: torch.device) -> DeviceMesh:
-    local_ws = int(os.environ.get("LOCAL_WORLD_SIZE", dist.world_size()))
-    shape, names = mesh_shape(cfg.strategy, dist.world_size(), local_ws)
+    shape, names = mesh_shape(cfg.strategy, dist.world_size(), dist.local_world_size())
     return init_device_mesh(device.type, shape, mesh_dim_names=names)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +11,9 @@ import torch
 from omegaconf import OmegaConf
 
 from fsdpkit import __version__, dist
-from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups, find_checkpoint
+from fsdpkit.checkpoint.find import find_checkpoint
+from fsdpkit.checkpoint.manager import Checkpointer, CheckpointGroups
+from fsdpkit.checkpoint.settings import IOSettings
 from fsdpkit.config import Config, check_world_size, to_yaml
 from fsdpkit.data import GlobalSampler, build_datasets, describe_split
 from fsdpkit.data.tokenizer import tokenizer_size
@@ -87,7 +88,7 @@ def build_trainer(cfg: Config, *, device: torch.device, run_dir: Path, init: boo
         hf_config: what `resolve_model_config(cfg)` returned (train() resolves it first); resolved
             here when not given.
     """
-    check_world_size(cfg, dist.world_size(), local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+    check_world_size(cfg, dist.world_size(), local_world_size=dist.local_world_size())
     if hf_config is None:
         hf_config = resolve_model_config(cfg)
     init_from = (cfg.model.path if cfg.model.pretrained else "") or cfg.model.init_from.removeprefix("hf:")
@@ -172,10 +173,11 @@ def resize_vocab_to_tokenizer(cfg: Config, hf_config: Any = None) -> bool:
     return cfg.model.vocab_size == size
 
 
-def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *,
-                        groups: CheckpointGroups | None = None) -> Checkpointer:
+def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *, groups: CheckpointGroups | None = None,
+                        io_settings: IOSettings | None = None) -> Checkpointer:
     """Give the trainer a Checkpointer (the public API) over its model, optimizer, scheduler and
-    Stateful pieces; `resume()` is the caller's next call."""
+    Stateful pieces, with the I/O settings `io_settings` (default: the environment's, as
+    find_checkpoint's); `resume()` is the caller's next call."""
     sharding = {
         "wrap_policy": plan.unit_classes,  # what the policy (`auto` included) resolved to
         "activation_checkpointing": plan.checkpointed_classes,
@@ -189,7 +191,8 @@ def attach_checkpointer(trainer: Trainer, cfg: Config, plan: ShardingPlan, *,
         state=state, sharding=sharding,
         mesh={"shape": list(plan.mesh.shape), "dim_names": list(plan.mesh.mesh_dim_names or ())},
         config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
-        state_dict_type=cfg.strategy.state_dict_type, on_event=trainer.metrics.write, groups=groups)
+        state_dict_type=cfg.strategy.state_dict_type, on_event=trainer.metrics.write, groups=groups,
+        io_settings=io_settings, optimizer_steps=True)  # its step counts optimizer updates: a load checks them
     return trainer.checkpointer
 
 
@@ -238,11 +241,11 @@ def train(cfg: Config, *, device: torch.device) -> dict[str, Any]:
                  device)
         log.info("%s", describe_split(cfg.train.global_batch_size, world_size=dist.world_size(),
                                       micro_batch_size=cfg.train.micro_batch_size))
-        groups = CheckpointGroups.create(cfg.checkpoint)
-        found = find_checkpoint(cfg.checkpoint, group=groups.sync)  # before the model: skip init if resuming
+        groups, io = CheckpointGroups.create(cfg.checkpoint), IOSettings.from_environment()
+        found = find_checkpoint(cfg.checkpoint, group=groups.sync, io_settings=io)  # before the model: skip init
         trainer, plan = build_trainer(cfg, device=device, run_dir=run_dir, init=found.path is None,
                                       hf_config=hf_config)
-        attach_checkpointer(trainer, cfg, plan, groups=groups).resume(found)
+        attach_checkpointer(trainer, cfg, plan, groups=groups, io_settings=io).resume(found)
         if packs_documents(cfg):  # on the weights it trains from: the model itself keeps documents apart
             check_isolation(trainer.model, vocab_size=vocab_size(trainer.model), device=device, seed=cfg.seed)
         summary = trainer.fit(stop_at=cfg.train.stop_at or None)

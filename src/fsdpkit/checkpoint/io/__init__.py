@@ -6,8 +6,9 @@ checksums a save records and a load checks), checked_read.py (the reader that ch
 reads), page_cache.py (files read from start to end: hashing.file_checksum) and torch_save.py (finds
 a tensor's bytes in a torch.save blob without unpickling it: the export's reads and the checked reader).
 
-One writer: DCP's own FileSystemWriter (fsspec writer for a URL: storage/safe_fsspec.py) with its file
-system wrapped by hashing.DigestFileSystem, which records xxh3-64 over every byte written, the
+Each StoragePath makes its own (storage/protocol.py: `dcp_writer`, `dcp_reader`); this module asks
+it for them. One writer: DCP's own FileSystemWriter (fsspec writer for a URL: storage/safe_fsspec.py)
+with its file system wrapped by hashing.DigestFileSystem, which records xxh3-64 over every byte written, the
 digest the manifest records (docs/checkpoint-format.md). After a local save, `record_items` adds
 each data file's item checksums (items.py). Nothing in it is tuned to a machine.
 
@@ -20,15 +21,14 @@ checked whole in a pass of its own before the load reads it (resume.verify_files
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsdpkit.checkpoint.storage import RemotePath
+from fsdpkit.checkpoint.settings import IOSettings
+from fsdpkit.checkpoint.storage import StoragePath, open_storage
 
 if TYPE_CHECKING:
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import Metadata
 
     from fsdpkit.checkpoint.hashing import DigestFileSystem
@@ -40,32 +40,24 @@ log = logging.getLogger("fsdpkit.checkpoint")
 # io/page_cache.py, so this package must not import hashing.py when it is itself imported.
 
 
-def hashing_writer(into: Path | RemotePath, *, thread_count: int,
-                   mirror: Mirror | None = None) -> tuple[FileSystemWriter, DigestFileSystem]:
+def hashing_writer(into: str | os.PathLike | StoragePath, *, thread_count: int, io: IOSettings | None = None,
+                   mirror: Mirror | None = None) -> tuple[Any, DigestFileSystem]:
     """(DCP writer into `into`, its file system): after dcp.save, `fs.files` holds every written
-    file's size and checksum. A URL `into` takes DCP's fsspec writer (teed into `mirror`, the
-    Checkpointer's checkpoint.local_dir, if given)."""
-    if isinstance(into, RemotePath):
-        from fsdpkit.checkpoint.storage.safe_fsspec import fsspec_writer
-
-        return fsspec_writer(into, thread_count=thread_count, mirror=mirror)
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    from fsdpkit.checkpoint.hashing import DigestFileSystem
-
-    fs = DigestFileSystem()
-    writer = FileSystemWriter(into, sync_files=True, thread_count=thread_count)
-    writer.fs = fs
-    return writer, fs
+    file's size and checksum. On object storage the writer is DCP's fsspec one (teed into `mirror`,
+    the Checkpointer's checkpoint.local_dir, if given). `io`: default, the environment's."""
+    return open_storage(into).dcp_writer(thread_count=thread_count, io=io or IOSettings.from_environment(),
+                                         mirror=mirror)
 
 
-def record_items(into: Path | RemotePath, files: dict[str, dict[str, Any]], metadata: Metadata, *,
+def record_items(into: str | os.PathLike | StoragePath, files: dict[str, dict[str, Any]], metadata: Metadata, *,
                  covered: frozenset[str]) -> None:
     """After dcp.save wrote `into`: add to each of this rank's data files in `files` (the writer's
     `fs.files`) its item checksums (items.py), from `metadata` (dcp.save's result) and `covered` (the
-    keys the manifest's `tensors` will hold). Not on object storage: re-reading there costs a GET per
-    item, and a resume there checks whole files anyway (resolve_checkpoint)."""
-    if isinstance(into, RemotePath):
+    keys the manifest's `tensors` will hold). Only where re-reading is cheap (`StoragePath.checks_items`):
+    on object storage it costs a GET per item, and a resume there checks whole files anyway
+    (resolve.resolve_checkpoint)."""
+    into = open_storage(into)
+    if not into.checks_items:
         return
     from fsdpkit.checkpoint.errors import CheckpointCorruptError
     from fsdpkit.checkpoint.io.items import ITEMS, digest_files
@@ -81,22 +73,11 @@ def record_items(into: Path | RemotePath, files: dict[str, dict[str, Any]], meta
         files[name][ITEMS] = items
 
 
-def safe_reader(ckpt_dir: Path | RemotePath, *, files: dict[str, Any] | None = None,
-                covered: Iterable[str] = ()) -> FileSystemReader:
-    """A DCP reader of `ckpt_dir` that never runs code from its `.metadata`: local (safe_io.py) or
-    a URL (DCP's fsspec reader, storage/safe_fsspec.py). With `files` (the manifest's entries of the
+def safe_reader(ckpt_dir: str | os.PathLike | StoragePath, *, files: dict[str, Any] | None = None,
+                covered: Iterable[str] = (), io: IOSettings | None = None) -> Any:
+    """A DCP reader of `ckpt_dir` that never runs code from its `.metadata` (safe_io.py; DCP's
+    fsspec reader for a URL, storage/safe_fsspec.py). With `files` (the manifest's entries of the
     directory) and `covered` (its `tensors` keys), it checks `.metadata` before unpickling it and,
-    locally, every item of a file with item checksums as it reads it (checked_read.py)."""
-    if isinstance(ckpt_dir, RemotePath):
-        from fsdpkit.checkpoint.storage.safe_fsspec import fsspec_reader
-
-        reader = fsspec_reader(ckpt_dir)
-        reader.expected_files = files
-        return reader
-    if files is not None:
-        from fsdpkit.checkpoint.io.checked_read import CheckedFileSystemReader
-
-        return CheckedFileSystemReader(ckpt_dir, files=files, covered=covered)
-    from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
-
-    return SafeFileSystemReader(ckpt_dir)
+    where re-reading is cheap, every item of a file with item checksums as it reads it
+    (checked_read.py). `io`: default, the environment's."""
+    return open_storage(ckpt_dir).dcp_reader(io=io or IOSettings.from_environment(), files=files, covered=covered)

@@ -33,21 +33,27 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
-from fsdpkit import tunables
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
 from fsdpkit.checkpoint.io.items import ITEMS, FrameView, file_items, read_item, split_digests
 from fsdpkit.checkpoint.io.torch_save import TensorPayload, locate_tensor
 from fsdpkit.checkpoint.safe_io import SafeFileSystemReader
+from fsdpkit.checkpoint.settings import IOSettings
 
 
 class CheckedFileSystemReader(SafeFileSystemReader):
     """SafeFileSystemReader that checks `.metadata` and every item against `files` (the manifest's
     entries of this directory) and `covered` (its `tensors` keys) as it reads them; see above."""
 
-    def __init__(self, path: str | os.PathLike, *, files: dict[str, Any], covered: Iterable[str]) -> None:
+    def __init__(self, path: str | os.PathLike, *, files: dict[str, Any], covered: Iterable[str],
+                 restart_bytes: int | None = None) -> None:
+        """`restart_bytes`: a tensor's elements are read through a stream opened anew this often
+        (0: one stream; see `_read_span`); default: the environment's IOSettings.read_restart_bytes."""
         super().__init__(path)
         self.expected_files = files
         self.covered = frozenset(covered)
+        if restart_bytes is None:
+            restart_bytes = IOSettings.from_environment().read_restart_bytes
+        self.restart_bytes = restart_bytes
         self._digests: dict[tuple[str, int], str] = {}
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -107,7 +113,7 @@ class CheckedFileSystemReader(SafeFileSystemReader):
                 raise CheckpointCorruptError(f"`{source}`: its data.pkl names another storage record than its zip "
                                              "directory")
             _read_elements(lambda: self.fs.create_stream(path, "rb"), info.offset, payload, req, target, path=path,
-                           source=source)
+                           source=source, restart_bytes=self.restart_bytes)
         planner.commit_tensor(req, target)
 
 
@@ -132,7 +138,7 @@ def _read_into(stream: IO[bytes], view: memoryview, position: int, *, path: str)
 
 
 def _read_elements(open_file: Callable[[], ContextManager[IO[bytes]]], base: int, payload: TensorPayload,
-                   req: ReadItem, target: torch.Tensor, *, path: str, source: str) -> None:
+                   req: ReadItem, target: torch.Tensor, *, path: str, source: str, restart_bytes: int) -> None:
     """The elements `req` needs of a saved tensor, read into `target`: only their bytes where they
     lie together (a contiguous tensor cut along dim 0, as FSDP shards), straight into `target`
     where it takes them as they are; else the whole record, cut in memory. `open_file` opens the
@@ -149,20 +155,21 @@ def _read_elements(open_file: Callable[[], ContextManager[IO[bytes]]], base: int
         first = payload.storage_offset + (offsets[0] * row if shape else 0)
         into = target if _takes_bytes(target, payload.dtype) else torch.empty(lengths, dtype=payload.dtype)
         if into.numel():
-            _read_span(open_file, _bytes_of(into), base + payload.data_start + first * itemsize, path=path)
+            _read_span(open_file, _bytes_of(into), base + payload.data_start + first * itemsize, path=path,
+                       restart_bytes=restart_bytes)
         if into is not target:
             target.copy_(into)
         return
     record = torch.empty(payload.storage_bytes, dtype=torch.uint8)
-    _read_span(open_file, _bytes_of(record), base + payload.data_start, path=path)
+    _read_span(open_file, _bytes_of(record), base + payload.data_start, path=path, restart_bytes=restart_bytes)
     saved = record.view(payload.dtype).as_strided(shape, payload.stride, payload.storage_offset)
     _copy(target, narrow_tensor_by_index(saved, offsets, lengths), source=source)
 
 
 def _read_span(open_file: Callable[[], ContextManager[IO[bytes]]], view: memoryview, position: int, *,
-               path: str) -> None:
+               path: str, restart_bytes: int) -> None:
     """Fill `view` from `position` of the file, through a stream opened anew for every
-    FSDPKIT_READ_RESTART_BYTES (16 MiB; 0: one stream): a fresh kernel readahead each time, as
+    `restart_bytes` (FSDPKIT_READ_RESTART_BYTES, 16 MiB; 0: one stream): a fresh kernel readahead each time, as
     io/page_cache.py reads files start to end, for the reason measured there (large page-cache
     folios are slow to fault in on a VM that hands free memory back to its host). Measured here
     (the 2-core VM, one process, pages evicted and 3 s idle before each load, modes alternating,
@@ -170,7 +177,7 @@ def _read_span(open_file: Callable[[], ContextManager[IO[bytes]]], view: memoryv
     against 4.15-8.73 s through one stream (dcp.load 4.75-11.05 s); two earlier runs of the same
     measurement 1.53-1.97 s against 2.40-6.48 s, and 1.18-2.04 s against 1.42-4.08 s. With items of
     21 MiB, which the reader reaches by seeks, no difference (0.61-0.76 s against 0.54-0.78 s)."""
-    step = tunables.current().read_restart_bytes or len(view)
+    step = restart_bytes or len(view)
     for start in range(0, len(view), step):
         with open_file() as stream:
             _read_into(stream, view[start:start + step], position + start, path=path)

@@ -17,10 +17,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from fsdpkit import tunables
+from fsdpkit.fileio import pread_into
 
-# A file read from start to end gets a new descriptor every FSDPKIT_READ_RESTART_BYTES (16 MiB;
-# 0: never): fsdpkit.tunables.
+# A file read from start to end gets a new descriptor every IOSettings.read_restart_bytes
+# (FSDPKIT_READ_RESTART_BYTES, 16 MiB; 0: never): checkpoint/settings.py.
 
 
 def reopen(fd: int) -> int | None:
@@ -40,14 +40,19 @@ def reopen(fd: int) -> int | None:
 
 class SequentialReader:
     """A local file read from its start to its end (`readinto`), through a descriptor replaced
-    every FSDPKIT_READ_RESTART_BYTES by a new one on the same file (`reopen`). Where that is not possible
-    (no /proc), one descriptor reads it all."""
+    every `restart_bytes` by a new one on the same file (`reopen`; 0: never; default: the
+    environment's IOSettings.read_restart_bytes). Where that is not possible (no /proc), one
+    descriptor reads it all."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    def __init__(self, path: str | os.PathLike, *, restart_bytes: int | None = None) -> None:
+        if restart_bytes is None:
+            from fsdpkit.checkpoint.settings import IOSettings
+
+            restart_bytes = IOSettings.from_environment().read_restart_bytes
         self._fd = os.open(path, os.O_RDONLY)
         self._pos = 0
         self._since = 0  # bytes read through the current descriptor
-        self._restart = tunables.current().read_restart_bytes
+        self._restart = restart_bytes
 
     def readinto(self, view: Any) -> int:
         """Up to len(view) bytes into `view`; 0 at the end of the file."""
@@ -56,7 +61,7 @@ class SequentialReader:
             self._reopen()
         if self._restart > 0:
             buffer = buffer[: self._restart - self._since]
-        n = os.preadv(self._fd, [buffer], self._pos)
+        n = pread_into(self._fd, buffer, self._pos)
         self._pos += n
         self._since += n
         return n

@@ -17,7 +17,6 @@ UnsafeCheckpointError before it could run; nothing in the blob is ever called.
 from __future__ import annotations
 
 import io
-import os
 import pickle
 import struct
 import zipfile
@@ -28,6 +27,7 @@ from typing import IO, Any
 import torch
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError, UnsafeCheckpointError
+from fsdpkit.fileio import pread_into
 
 # The legacy typed-storage classes a tensor pickle names (torch.<Name>), by the dtype they hold.
 _STORAGE_DTYPES: dict[str, torch.dtype] = {
@@ -287,7 +287,7 @@ class FileWindow(io.RawIOBase):
         if n == 0:
             return 0
         if self._fd is not None:
-            got = os.preadv(self._fd, [view[:n]], self._start + self._pos)
+            got = pread_into(self._fd, view[:n], self._start + self._pos)
         else:
             self._raw.seek(self._start + self._pos)
             got = self._raw.readinto(view[:n]) or 0

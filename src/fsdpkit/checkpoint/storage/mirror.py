@@ -26,17 +26,13 @@ from __future__ import annotations
 import io
 import json
 import os
-from pathlib import Path
 from typing import IO
 
-from fsdpkit.checkpoint.layout import (
-    CHECKPOINT_NAME,
-    INCOMING,
-    MANIFEST,
-    CkptPath,
-    remove_checkpoint,
-)
-from fsdpkit.checkpoint.storage import RemotePath, write_atomic
+from fsdpkit.checkpoint.catalog import CHECKPOINT_NAME, candidates
+from fsdpkit.checkpoint.layout import INCOMING, MANIFEST, CkptPath, remove_checkpoint
+from fsdpkit.checkpoint.storage.local import LocalPath
+from fsdpkit.checkpoint.storage.remote import RemotePath
+from fsdpkit.dist import local_world_size, world_size
 
 MIRROR_OF = ".mirror_of"
 
@@ -56,7 +52,7 @@ class Mirror:
         if not isinstance(root, RemotePath):
             raise ValueError(f"checkpoint.local_dir={local_dir} mirrors checkpoints on object storage, and "
                              f"checkpoint.dir={root} is local; set checkpoint.dir to a URL or leave local_dir empty")
-        local = Path(local_dir)
+        local = LocalPath(local_dir)
         local.mkdir(parents=True, exist_ok=True)
         marker = local / MIRROR_OF
         if marker.is_file() and marker.read_text().strip() != root.url:
@@ -64,7 +60,7 @@ class Mirror:
                              f"{root.url}; give each run its own local_dir (or delete {local} if that run is gone)")
         if not marker.is_file():
             # pruning deletes checkpoint-shaped directories here: never ones this mirror did not write
-            foreign = sorted(p.name for p in local.iterdir() if p.is_dir() and CHECKPOINT_NAME.match(p.name))
+            foreign = sorted(p.name for p in candidates(local))
             if foreign:
                 raise ValueError(f"checkpoint.local_dir={local} already holds {', '.join(foreign[:5])}, which no "
                                  "mirror wrote (it has no .mirror_of); the mirror would delete them. Give it an empty "
@@ -84,7 +80,7 @@ class Mirror:
     def __repr__(self) -> str:
         return f"Mirror({str(self.local)!r}, root={self.root.url!r})"
 
-    def mirror_dir(self, ckpt_dir: CkptPath) -> Path | None:
+    def mirror_dir(self, ckpt_dir: CkptPath) -> LocalPath | None:
         """The mirror of the remote checkpoint directory `ckpt_dir` (None: not mirrored). A
         replacement written to `<name>.incoming` is mirrored under `<name>`: it becomes `<name>`
         once committed."""
@@ -94,7 +90,7 @@ class Mirror:
             return None
         return self.local / ckpt_dir.name.removesuffix(INCOMING)
 
-    def start_writing(self, ckpt_dir: CkptPath) -> Path | None:
+    def start_writing(self, ckpt_dir: CkptPath) -> LocalPath | None:
         """Before a rank writes `ckpt_dir`'s files: its mirror, emptied of its manifest (no longer a
         checkpoint until the remote commit says so), or None."""
         local = self.mirror_dir(ckpt_dir)
@@ -111,17 +107,17 @@ class Mirror:
             return
         manifest = (committed / MANIFEST).read_bytes()
         if local.is_dir():
-            write_atomic(local / MANIFEST, manifest)  # the same bytes: restart compares them
+            (local / MANIFEST).write_atomic(manifest)  # the same bytes: restart compares them
         self.prune()
 
     def prune(self) -> None:
         """Remove every mirrored checkpoint whose manifest is missing or differs from the remote one
         (retention deleted it, it never committed, or a newer save replaced it)."""
-        for path in sorted(self.local.iterdir()):
-            if path.is_dir() and CHECKPOINT_NAME.match(path.name) and matching(path, self.root / path.name) is None:
+        for path in sorted(candidates(self.local)):
+            if matching(path, self.root / path.name) is None:
                 remove_checkpoint(path)
 
-    def usable(self, remote: CkptPath) -> tuple[Path | None, str]:
+    def usable(self, remote: CkptPath) -> tuple[LocalPath | None, str]:
         """(the mirror to read instead of the remote checkpoint `remote`, or None; why, for the log)."""
         local = self.mirror_dir(remote)
         if local is None:
@@ -140,16 +136,15 @@ class Mirror:
 
 
 def check_single_node(local_dir: str) -> None:
-    """Raise ValueError when the ranks span several nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE)."""
-    world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                                              os.environ.get("WORLD_SIZE", "1")))
+    """Raise ValueError when the ranks span several nodes (fewer ranks on this host than in the world)."""
+    world, local = world_size(), local_world_size()
     if local_dir and local < world:
         raise ValueError(f"checkpoint.local_dir={local_dir}: this job runs {world} ranks on several nodes "
                          f"({local} on this one); a node-local mirror holds only this node's files and could never "
                          "serve a restart. Leave checkpoint.local_dir empty for multi-node jobs")
 
 
-def matching(local: Path, remote: CkptPath) -> bytes | None:
+def matching(local: LocalPath, remote: CkptPath) -> bytes | None:
     """The remote manifest's bytes when `local` holds the same bytes as its manifest, else None."""
     try:
         mine = (local / MANIFEST).read_bytes()

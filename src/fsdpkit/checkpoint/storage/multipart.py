@@ -5,9 +5,9 @@ parts one after another, in the writing thread: serializing and checksumming the
 for every part's round trip. `s3fs.put` overlaps the parts of a file (up to `max_concurrency` at
 once). This stream does the same for a file that is being written: each full part is handed to
 s3fs's event loop as an `upload_part` request and the writer goes on filling the next part; at most
-FSDPKIT_REMOTE_PARTS_IN_FLIGHT parts are in flight, so the memory one stream holds is bounded by
-(parts in flight + 1) x FSDPKIT_REMOTE_PART_BYTES (the part being filled included), whatever the
-file's size.
+`in_flight` parts are in flight (IOSettings.remote_parts_in_flight), so the memory one stream holds
+is bounded by (parts in flight + 1) x `part_bytes` (IOSettings.remote_part_bytes; the part being
+filled included), whatever the file's size.
 
 Every request goes through s3fs's `_call_s3`, so each part keeps s3fs's own retries with backoff.
 A file smaller than one part is one PUT. Nothing is visible under the key until `close()`
@@ -21,8 +21,6 @@ import asyncio
 import io
 from concurrent.futures import Future
 from typing import Any
-
-from fsdpkit import tunables
 
 MAX_PARTS = 10_000  # S3's limit on the parts of one multipart upload
 _MIN_PART = 5 << 20  # S3: every part but the last
@@ -39,13 +37,16 @@ def is_s3(fs: Any) -> bool:
 class OverlappedUpload(io.RawIOBase):
     """A write-only stream into one S3 object (see the module docstring). `tell()` counts the
     bytes written, as DCP's writer needs for its item offsets. `part_bytes` and `in_flight`
-    default to FSDPKIT_REMOTE_PART_BYTES and FSDPKIT_REMOTE_PARTS_IN_FLIGHT."""
+    default to the environment's IOSettings (FSDPKIT_REMOTE_PART_BYTES, FSDPKIT_REMOTE_PARTS_IN_FLIGHT)."""
 
     def __init__(self, fs: Any, path: str, *, part_bytes: int | None = None, in_flight: int | None = None):
         super().__init__()
-        tuned = tunables.current()
-        part_bytes = tuned.remote_part_bytes if part_bytes is None else part_bytes
-        in_flight = tuned.remote_parts_in_flight if in_flight is None else in_flight
+        if part_bytes is None or in_flight is None:
+            from fsdpkit.checkpoint.settings import IOSettings
+
+            tuned = IOSettings.from_environment()
+            part_bytes = tuned.remote_part_bytes if part_bytes is None else part_bytes
+            in_flight = tuned.remote_parts_in_flight if in_flight is None else in_flight
         if part_bytes < _MIN_PART or in_flight < 1:
             raise ValueError(f"FSDPKIT_REMOTE_PART_BYTES must be >= {_MIN_PART} (S3's smallest part) and "
                              f"FSDPKIT_REMOTE_PARTS_IN_FLIGHT >= 1; got {part_bytes} and {in_flight}")

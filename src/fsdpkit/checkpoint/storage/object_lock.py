@@ -1,10 +1,10 @@
 """One live run per checkpoints prefix on object storage, where there is no flock.
 
 The rule: rank 0 of a run holds `<root>/.lock`, a small JSON object {owner, host, pid, heartbeat}
-that a daemon thread rewrites every FSDPKIT_OBJECT_LOCK_HEARTBEAT_S seconds. A run that finds another
-owner's lock refuses the prefix, unless that lock is stale: its heartbeat is older than
-FSDPKIT_OBJECT_LOCK_STALE_S (fsdpkit.tunables), or it was
-written on this host by a process that is gone (a killed run restarted on the same node). The lock
+that a daemon thread rewrites every `heartbeat_s` seconds (IOSettings.object_lock_heartbeat_s). A run
+that finds another owner's lock refuses the prefix, unless that lock is stale: its heartbeat is
+older than `stale_s` (IOSettings.object_lock_stale_s), or it was written on this host by a process
+that is gone (a killed run restarted on the same node). The lock
 is deleted on release.
 
 What it does not give: object stores have no compare-and-swap that fsspec exposes everywhere, so
@@ -22,23 +22,28 @@ import socket
 import threading
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 import psutil
 
-from fsdpkit import tunables
 from fsdpkit.checkpoint.errors import CheckpointError
-from fsdpkit.checkpoint.storage import RemotePath
+from fsdpkit.tunables import DEFAULTS
+
+if TYPE_CHECKING:
+    from fsdpkit.checkpoint.storage.remote import RemotePath
 
 log = logging.getLogger("fsdpkit.checkpoint")
 LOCK = ".lock"
 
 
 class ObjectLock:
-    """The lock object `<root>/.lock`, held for a run's life by its rank 0 (same interface as
-    ownership.DirectoryLock)."""
+    """The lock object `<root>/.lock`, held for a run's life by its rank 0 (storage.protocol.Lock,
+    as local.DirectoryLock)."""
 
-    def __init__(self, root: RemotePath):
+    def __init__(self, root: RemotePath, *, heartbeat_s: float = DEFAULTS.object_lock_heartbeat_s,
+                 stale_s: float = DEFAULTS.object_lock_stale_s):
         self.root, self.path = root, root / LOCK
+        self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
         self.owner = uuid.uuid4().hex
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -59,16 +64,16 @@ class ObjectLock:
         if holder.get("owner") == self.owner:
             return False
         beat = holder.get("heartbeat")
-        if not isinstance(beat, int | float) or time.time() - beat > tunables.current().object_lock_stale_s:
+        if not isinstance(beat, int | float) or time.time() - beat > self.stale_s:
             return False
         pid = holder.get("pid")
         if holder.get("host") == socket.gethostname() and isinstance(pid, int):
             return psutil.pid_exists(pid) and pid != os.getpid()
         return True
 
-    def acquire(self, *, wait_s: float = 15.0) -> ObjectLock:
-        """Raises CheckpointError when another live run holds the prefix after `wait_s`."""
-        deadline = time.monotonic() + wait_s
+    def acquire(self, *, wait_s: float | None = None) -> ObjectLock:
+        """Raises CheckpointError when another live run holds the prefix after `wait_s` (default 15 s)."""
+        deadline = time.monotonic() + (15.0 if wait_s is None else wait_s)
         while (holder := self._holder()) is not None and self._live(holder):
             if time.monotonic() >= deadline:
                 raise CheckpointError(
@@ -76,7 +81,7 @@ class ObjectLock:
                     f"{holder.get('host')}, pid {holder.get('pid')}, heartbeat "
                     f"{time.time() - float(holder['heartbeat']):.0f} s ago): two runs must never write into one "
                     "checkpoint prefix. Wait for it to end, stop it, or set checkpoint.dir to another prefix (a lock "
-                    f"silent for {tunables.current().object_lock_stale_s:.0f} s is taken over)")
+                    f"silent for {self.stale_s:.0f} s is taken over)")
             time.sleep(0.5)
         self.path.write_text(json.dumps(self._record()))
         if (holder := self._holder()) is not None and holder.get("owner") != self.owner:
@@ -87,7 +92,7 @@ class ObjectLock:
         return self
 
     def _beat(self) -> None:
-        while not self._stop.wait(tunables.current().object_lock_heartbeat_s):
+        while not self._stop.wait(self.heartbeat_s):
             try:
                 self.path.write_text(json.dumps(self._record()))
             except Exception as e:  # noqa: BLE001 - a failed heartbeat is retried; saves report real trouble

@@ -1,4 +1,5 @@
-"""DCP's fsspec reader and writer wired to fsdpkit's `RemotePath` filesystems: the reader with the
+"""DCP's fsspec reader and writer wired to fsdpkit's `RemotePath` filesystems (RemotePath.dcp_reader
+and dcp_writer make them): the reader with the
 safe `.metadata` unpickling of safe_io.py, the writer with per-file checksums (hashing.py).
 Imported only for URLs: it needs fsspec (the `remote` extra)."""
 
@@ -11,29 +12,33 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DcpFsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from fsdpkit import tunables
 from fsdpkit.checkpoint.hashing import DigestFileSystem
 from fsdpkit.checkpoint.safe_io import SafeMetadataReading
-from fsdpkit.checkpoint.storage import RemotePath
 from fsdpkit.checkpoint.storage.mirror import Mirror, TeeStream
 from fsdpkit.checkpoint.storage.multipart import OverlappedUpload, is_s3
+from fsdpkit.checkpoint.storage.remote import RemotePath
+from fsdpkit.tunables import DEFAULTS
+
+if TYPE_CHECKING:
+    from fsdpkit.checkpoint.settings import IOSettings
 
 
 class SafeFsspecReader(SafeMetadataReading, FsspecReader):
     """`FsspecReader` reading `.metadata` through `SafeUnpickler`, and the items of this rank's plan
     in ranged GETs of exactly their bytes: each file's items in the order of their bytes, a run of
-    adjacent items in one GET of at most FSDPKIT_REMOTE_RANGE_BYTES (an item longer than that: in
+    adjacent items in one GET of at most `range_bytes` (IOSettings.remote_range_bytes) (an item longer than that: in
     GETs of that size), held in memory while its items load. Through DCP's open file, s3fs's
     read-ahead (its block size after every seek) and torch.load's seeks inside an item fetched 2.2x
     an HSDP checkpoint's bytes from moto's S3 server for a load that reads each item once, and one GET
     per item was 5x slower there (bench/RESULTS-replicas.md)."""
 
+    range_bytes: int = DEFAULTS.remote_range_bytes  # fsspec_reader sets it from IOSettings
     _wanted: dict[str, list[tuple[int, int]]] | None = None  # file -> its items' [start, end), by start
     _window: tuple[str, int, memoryview] | None = None  # (file, its first byte, the bytes)
 
@@ -61,7 +66,7 @@ class SafeFsspecReader(SafeMetadataReading, FsspecReader):
         window = self._window
         if window is None or window[0] != sinfo.relative_path or not window[1] <= start < end <= window[1] + len(
                 window[2]):
-            most, stop = tunables.current().remote_range_bytes, end
+            most, stop = self.range_bytes, end
             for first, last in self._wanted.get(sinfo.relative_path, []):  # the adjacent items that follow
                 if first == stop and last - start <= most:
                     stop = last
@@ -110,9 +115,10 @@ class _Bytes(io.RawIOBase):
         return self._pos
 
 
-def fsspec_reader(ckpt_dir: RemotePath) -> SafeFsspecReader:
+def fsspec_reader(ckpt_dir: RemotePath, *, io: IOSettings) -> SafeFsspecReader:
     reader = SafeFsspecReader(ckpt_dir.url)
     reader.fs.fs = ckpt_dir.fs  # ours: configured with checkpoint.storage_options, no listing cache
+    reader.range_bytes = io.remote_range_bytes
     return reader
 
 
@@ -122,6 +128,8 @@ class UploadingFileSystem(DcpFsspecFileSystem):
     other schemes' writes are DCP's."""
 
     mirror: Path | None = None
+    part_bytes: int | None = None  # an S3 upload's parts (IOSettings.remote_part_bytes; None: OverlappedUpload's)
+    in_flight: int | None = None  # parts of one object uploaded at once (IOSettings.remote_parts_in_flight)
 
     @contextmanager
     def create_stream(self, path, mode: str) -> Iterator:
@@ -135,7 +143,7 @@ class UploadingFileSystem(DcpFsspecFileSystem):
                 with super().create_stream(path, mode) as stream:
                     yield stream if copy is None else TeeStream(stream, copy)
                 return
-            upload = OverlappedUpload(self.fs, str(path))
+            upload = OverlappedUpload(self.fs, str(path), part_bytes=self.part_bytes, in_flight=self.in_flight)
             try:
                 yield upload if copy is None else TeeStream(upload, copy)
                 upload.commit()
@@ -149,7 +157,7 @@ class UploadingFileSystem(DcpFsspecFileSystem):
             os.replace(self.mirror / Path(str(path)).name, self.mirror / Path(str(new_path)).name)
 
 
-def fsspec_writer(into: RemotePath, *, thread_count: int,
+def fsspec_writer(into: RemotePath, *, thread_count: int, io: IOSettings,
                   mirror: Mirror | None = None) -> tuple[FsspecWriter, DigestFileSystem]:
     """A DCP writer into `into` whose files are checksummed as they stream out. sync_files=False:
     an object is durable once its upload completes (on close); DCP would otherwise call os.sync()
@@ -159,6 +167,7 @@ def fsspec_writer(into: RemotePath, *, thread_count: int,
     writer = FsspecWriter(into.url, sync_files=False, thread_count=thread_count)
     uploads = UploadingFileSystem()
     uploads.fs, uploads.mirror = into.fs, (mirror.start_writing(into) if mirror is not None else None)
+    uploads.part_bytes, uploads.in_flight = io.remote_part_bytes, io.remote_parts_in_flight
     fs = DigestFileSystem(base=uploads)
     writer.fs = fs
     return writer, fs

@@ -1,17 +1,22 @@
-"""Where paths may go. Checkpoint locations (checkpoint.dir, checkpoint.resume), the folder of
-model.init_from=hf: and export destinations (export.dir, `fsdpkit ckpt export ... OUT`) may be
-fsspec URLs (s3://bucket/run/checkpoints) when the scheme's driver is installed; every other path
-is local (or mounted). A URL where only a local path works would otherwise be taken as a local directory named
-`s3:`, and a run would write to local disk while the user believes the bucket holds its files."""
+"""Which paths are URLs, and where a URL may go.
+
+Checkpoint locations (checkpoint.dir, checkpoint.resume), the folder of model.init_from=hf: and
+export destinations (export.dir, `fsdpkit ckpt export ... OUT`) may be fsspec URLs
+(s3://bucket/run/checkpoints) when the scheme's driver is installed; every other path is local (or
+mounted). A URL where only a local path works would otherwise be taken as a local directory named
+`s3:`, and a run would write to local disk while the user believes the bucket holds its files.
+"""
 
 from __future__ import annotations
 
+import os
 import re
 
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def is_url(value: str) -> bool:
+def is_url(value: str | os.PathLike) -> bool:
+    """Whether `value` (a string, a path, or an opened storage location) names an fsspec URL."""
     return bool(URL.match(str(value)))
 
 
