@@ -79,8 +79,8 @@ def count_reads() -> None:
     sequential = page_cache.SequentialReader
 
     class CountedSequential(sequential):
-        def __init__(self, path):
-            super().__init__(path)
+        def __init__(self, path, **tuning):
+            super().__init__(path, **tuning)
             self._name = Path(path).name
 
         def readinto(self, view):
@@ -88,10 +88,7 @@ def count_reads() -> None:
             READS[self._name] += n
             return n
 
-    page_cache.SequentialReader = CountedSequential
-    import fsdpkit.checkpoint.hashing as hashing
-
-    hashing.SequentialReader = CountedSequential
+    page_cache.SequentialReader = CountedSequential  # local files' open_sequential (file checksums) reads through it
 
 
 class Net(nn.Module):
