@@ -25,8 +25,8 @@ Reading order for a newcomer. The core, first (this directory):
   safe_io.py      loading without running a checkpoint's code (DCP's reader and planner, no pickle)
 Then, as needed: ownership.py (one run per directory), retention.py, preemption.py, async_save.py
 and staging.py (background saves), full.py (`state_dict_type: full`), frozen.py (frozen weights
-written once), replicas.py (a load under HYBRID_SHARD or NO_SHARD: one replica group reads, the
-others receive).
+written once), embeddings.py (the model's vocabulary and tying, as a manifest records them),
+replicas.py (a load under HYBRID_SHARD or NO_SHARD: one replica group reads, the others receive).
 Two layers below it, each behind one seam:
   io/             the I/O seam (io/__init__.py: DCP's own writer with file checksums, DCP's own reader
                   without its pickle), page_cache.py (files read start to end, for checksums) and
