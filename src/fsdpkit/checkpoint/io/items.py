@@ -29,7 +29,7 @@ import xxhash
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from fsdpkit.checkpoint.errors import CheckpointCorruptError
-from fsdpkit.checkpoint.io.torch_save import storage_span
+from fsdpkit.checkpoint.io.torch_save import Window, storage_span
 
 ITEMS = "items"  # the field of a `files` entry
 DIGEST_HEX = 16  # hex digits per item
@@ -132,34 +132,16 @@ def _pread_at(fd: int, base: int, *, where: str) -> ReadAt:
     return read_at
 
 
-class _Window(io.RawIOBase):
-    """A seekable, read-only file over one item, each read through `read_at` (for zipfile)."""
+class _Window(Window):
+    """An item as a file, each read through `read_at` (for zipfile)."""
 
     def __init__(self, read_at: ReadAt, length: int) -> None:
-        super().__init__()
-        self._read_at, self._length, self._pos = read_at, length, 0
+        super().__init__(length)
+        self._read_at = read_at
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        n = max(0, min(len(view), self._length - self._pos))
-        if n:
-            view[:n] = self._read_at(self._pos, n)
-            self._pos += n
-        return n
+    def _fill(self, view: memoryview, pos: int) -> int:
+        view[:] = self._read_at(pos, len(view))
+        return len(view)
 
 
 class FrameView(_Window):

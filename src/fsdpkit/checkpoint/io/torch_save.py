@@ -248,24 +248,17 @@ def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return 1 + sum((size - 1) * st for size, st in zip(shape, stride, strict=True))
 
 
-class FileWindow(io.RawIOBase):
-    """A read-only, seekable view of bytes [start, start + length) of an open binary file.
-
-    On a file with a descriptor, reads are positional (pread): the file's own position is neither
-    used nor moved, so windows on one file may be read from several threads at once. Other file
-    objects (object storage through fsspec) are read by seeking them: one thread at a time.
+class Window(io.RawIOBase):
+    """A read-only, seekable file of `length` bytes whose bytes a subclass supplies (`_fill`):
+    what zipfile needs of a blob inside a larger file.
 
     Why not DCP's `_create_file_view`: zipfile seeks relative to the end of the archive, which
     that view does not support.
     """
 
-    def __init__(self, raw: IO[bytes], start: int, length: int) -> None:
+    def __init__(self, length: int) -> None:
         super().__init__()
-        self._raw, self._start, self._length, self._pos = raw, start, length, 0
-        try:
-            self._fd: int | None = raw.fileno()
-        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the latter
-            self._fd = None
+        self._length, self._pos = length, 0
 
     def readable(self) -> bool:
         return True
@@ -286,10 +279,33 @@ class FileWindow(io.RawIOBase):
         n = max(0, min(len(view), self._length - self._pos))
         if n == 0:
             return 0
-        if self._fd is not None:
-            got = pread_into(self._fd, view[:n], self._start + self._pos)
-        else:
-            self._raw.seek(self._start + self._pos)
-            got = self._raw.readinto(view[:n]) or 0
+        got = self._fill(view[:n], self._pos)
         self._pos += got
         return got
+
+    def _fill(self, view: memoryview, pos: int) -> int:
+        """Fill `view` with the bytes at `pos`; returns how many it could (fewer at a file's end)."""
+        raise NotImplementedError
+
+
+class FileWindow(Window):
+    """Bytes [start, start + length) of an open binary file, as a file.
+
+    On a file with a descriptor, reads are positional (pread): the file's own position is neither
+    used nor moved, so windows on one file may be read from several threads at once. Other file
+    objects (object storage through fsspec) are read by seeking them: one thread at a time.
+    """
+
+    def __init__(self, raw: IO[bytes], start: int, length: int) -> None:
+        super().__init__(length)
+        self._raw, self._start = raw, start
+        try:
+            self._fd: int | None = raw.fileno()
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both of the latter
+            self._fd = None
+
+    def _fill(self, view: memoryview, pos: int) -> int:
+        if self._fd is not None:
+            return pread_into(self._fd, view, self._start + pos)
+        self._raw.seek(self._start + pos)
+        return self._raw.readinto(view) or 0
