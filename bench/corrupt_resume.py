@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.fsdp import fully_shard
 
+from checkpoint_measure import drop_page_cache
 from fsdpkit import dist
 from fsdpkit.checkpoint.manager import Checkpointer
 
@@ -83,14 +84,6 @@ def flip(path: Path, at: int) -> None:
         os.fsync(f.fileno())
 
 
-def evict(root: Path) -> None:
-    for f in root.rglob("*"):
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def main() -> None:
@@ -124,7 +117,7 @@ def main() -> None:
                 if rank == 0:
                     if scenario in spots:
                         flip(*spots[scenario])
-                    evict(root)
+                    drop_page_cache(root)
                 tdist.barrier()
                 t0 = time.perf_counter()
                 with Checkpointer(root, model=model, optimizer=opt, **settings) as ck:

@@ -20,7 +20,6 @@ Usage: python bench/element_read.py [--width 8192] [--layers 2] [--runs 6] [--id
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import tempfile
@@ -33,6 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from checkpoint_measure import drop_page_cache
 from fsdpkit import tunables
 from fsdpkit.checkpoint.manifest import model_fingerprint
 from fsdpkit.checkpoint.resume import load_checkpoint
@@ -52,13 +52,6 @@ def build(width: int, layers: int) -> CheckpointTarget:
     return CheckpointTarget(model=model, optimizer=opt)
 
 
-def evict(ckpt: Path) -> None:
-    for f in ckpt.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def main() -> None:
@@ -96,7 +89,7 @@ def main() -> None:
         times: dict[str, list[float]] = {m: [] for m in modes}
         for r in range(args.runs):
             for name in (list(modes) if r % 2 == 0 else list(modes)[::-1]):
-                evict(ckpt)
+                drop_page_cache(ckpt)
                 time.sleep(args.idle)
                 t0 = time.perf_counter()
                 modes[name]()

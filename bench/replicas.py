@@ -233,6 +233,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as tdist
 
+    from checkpoint_measure import drop_page_cache
     from fsdpkit import dist
     from fsdpkit.checkpoint import resume
     from fsdpkit.checkpoint.manifest import model_fingerprint
@@ -259,7 +260,7 @@ def worker(args: argparse.Namespace) -> None:
                 scramble(target)
                 resume.find_replication = (lambda state, group: None) if mode == "today" else finder
                 if rank == 0 and storage == "local":
-                    evict(path)
+                    drop_page_cache(path)
                 tdist.barrier()
                 g0 = get_bytes() if rank == 0 else {}
                 STREAM[0], r0, t0 = 0, rchar(), time.perf_counter()
@@ -275,7 +276,7 @@ def worker(args: argparse.Namespace) -> None:
                                              "get_bytes": delta(g0, g1)})
         resume.find_replication = finder
         if rank == 0 and storage == "local":
-            evict(path)
+            drop_page_cache(path)
         tdist.barrier()
         g0, r0, t0 = get_bytes() if rank == 0 else {}, rchar(), time.perf_counter()
         resume.verify_files(path, manifests[storage], group=None)
@@ -296,14 +297,6 @@ def worker(args: argparse.Namespace) -> None:
     dist.shutdown()
     os._exit(0)
 
-
-def evict(path: Path) -> None:
-    for f in path.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def main() -> None:
